@@ -1,0 +1,419 @@
+"""Tests for sql_env.py: the embedded data, the held-out split, the tools, scoring, the sandbox, loaders.
+
+Everything writes under pytest's tmp folders (AGENTRL_CACHE is pointed there), nothing is downloaded.
+"""
+import hashlib
+import json
+import os
+import re
+import sqlite3
+import subprocess
+import sys
+import time
+from collections import Counter
+
+import pytest
+
+import sql_env
+from sql_env import SQLEnv, SQLError, Task, execution_match, load_tasks, run_query
+
+
+def sha256(path):
+    return hashlib.sha256(open(path, "rb").read()).hexdigest()
+
+
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One embedded database for the module, in a tmp cache folder (never the home cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("cache")
+        mp.setenv("AGENTRL_CACHE", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def db(cache):
+    return sql_env.default_db_path()
+
+
+@pytest.fixture(scope="module")
+def splits(cache):
+    return {split: load_tasks(split=split) for split in sql_env.SPLITS}
+
+
+def env_for(db, gold="SELECT COUNT(*) FROM customers", **kwargs):
+    return SQLEnv(Task("t", db, "How many customers are there?", gold), **kwargs)
+
+
+# ----------------------------------------------------------------------------- the embedded data
+def test_database_is_deterministic(tmp_path):
+    """Same seed, same bytes: runs and papers can name the data by its seed."""
+    a, b, c = (sql_env.build_database(str(tmp_path / name), seed) for name, seed in
+               [("a.sqlite", 0), ("b.sqlite", 0), ("c.sqlite", 1)])
+    assert sha256(a) == sha256(b)
+    assert sha256(a) != sha256(c)
+    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")], "temp file left behind"
+
+
+def test_default_database_is_rebuilt_when_corrupt(db):
+    """A truncated or garbage cache file is detected and rebuilt to the same bytes, not used."""
+    good = sha256(db)
+    with open(db, "r+b") as f:
+        f.truncate(4096)
+    assert sql_env.default_db_path() == db and sha256(db) == good
+    os.remove(db)
+    assert sql_env.default_db_path() == db and sha256(db) == good
+
+
+def test_database_is_realistic(db):
+    """>= 6 tables with keys, thousands of rows, and every kind of value the agent must handle."""
+    con = sqlite3.connect(db)
+    tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
+    assert len(tables) >= 6
+    assert sum(con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables) in range(1000, 10_000)
+    assert sum(len(con.execute(f"PRAGMA foreign_key_list({t})").fetchall()) for t in tables) >= 6
+    kinds = set()
+    for t in tables:
+        for c in con.execute(f"PRAGMA table_info({t})").fetchall():
+            kinds |= {k for k, in con.execute(f"SELECT DISTINCT typeof({c[1]}) FROM {t}")}
+            kinds |= {"date" for _ in con.execute(f"SELECT 1 FROM {t} WHERE {c[1]} GLOB '20[0-9][0-9]-[01][0-9]-*'")}
+    assert kinds == {"integer", "real", "text", "null", "date"}
+
+
+def test_split_sizes_and_tiers(splits):
+    """Enough questions in every tier of both splits: the trainer samples tasks by tier."""
+    assert len(splits["train"]) >= 1000 and len(splits["test"]) >= 200
+    for tasks in splits.values():
+        counts = Counter(t.difficulty for t in tasks)
+        assert set(counts) == set(sql_env.TIERS) and min(counts.values()) >= 40
+    ids = [t.id for tasks in splits.values() for t in tasks]
+    assert len(ids) == len(set(ids))
+
+
+def test_question_set_is_deterministic_and_fast(cache, splits):
+    """Regenerating the question set gives the same tasks, and quickly (tests and train.py call it)."""
+    sql_env._embedded_tasks.cache_clear()
+    start = time.time()
+    again = load_tasks(split="train")
+    assert time.time() - start < 10
+    assert [(t.id, t.question, t.gold_sql) for t in again] == [(t.id, t.question, t.gold_sql) for t in splits["train"]]
+
+
+def test_every_gold_query_runs_and_is_not_empty(splits):
+    """A question whose gold SQL fails or returns nothing cannot be answered right."""
+    for task in splits["train"] + splits["test"]:
+        columns, rows = run_query(task.db_path, task.gold_sql)
+        assert rows and any(v not in (None, 0) for v in rows[0]), task
+
+
+def test_ambiguous_gold_queries_are_rejected(db):
+    """Ties under ORDER BY ... LIMIT make the answer depend on the engine: such queries are dropped."""
+    con = sqlite3.connect(db)
+    assert sql_env._is_clear(con, "SELECT name FROM products ORDER BY price DESC LIMIT 1")
+    assert not sql_env._is_clear(con, "SELECT status FROM orders ORDER BY order_id > 0 LIMIT 1")  # all tied
+    assert not sql_env._is_clear(con, "SELECT COUNT(*) FROM orders WHERE status = 'no such status'")  # 0
+    assert not sql_env._is_clear(con, "SELECT name FROM products WHERE price < 0")  # empty
+
+
+def literals(sql):
+    """The values a query mentions: quoted strings and numbers, minus LIMIT counts and date formats.
+    A customer is one value, its full name (first names alone are shared by many customers)."""
+    sql = re.sub(r"first_name = '(\w+)' AND (c\.)?last_name = '(\w+)'", r"name = '\1 \3'", sql)
+    sql = re.sub(r"LIMIT \d+", "", sql)
+    return {s for s in re.findall(r"'[^']*'|\b\d+\b", sql) if not s.startswith("'%")}
+
+
+def test_test_split_is_held_out(splits):
+    """No test question, gold query or value appears in train, so test accuracy is not memorization."""
+    train, test = splits["train"], splits["test"]
+    assert not {t.question for t in train} & {t.question for t in test}
+    assert not {t.gold_sql for t in train} & {t.gold_sql for t in test}
+    train_values = set().union(*(literals(t.gold_sql) for t in train))
+    test_values = set().union(*(literals(t.gold_sql) for t in test))
+    assert test_values and not train_values & test_values
+
+
+def test_test_wordings_never_appear_in_train(splits):
+    """Each template's last wording (and every held-out template) is used only in test."""
+    def pattern(wording):
+        return re.compile(re.sub(r"\\\{\w+\\\}", ".+", re.escape(wording)) + "$")
+    test_only = [pattern(w.split(" | ")[-1]) for *_, w in sql_env.TEMPLATES]
+    test_only += [pattern(w) for *_, w in sql_env.HELD_OUT_TEMPLATES]
+    for task in splits["train"]:
+        assert not any(p.match(task.question) for p in test_only), task.question
+    assert all(any(p.match(t.question) for p in test_only) for t in splits["test"])
+
+
+def constructs(sql):
+    sql = re.sub(r"'[^']*'", "''", sql)
+    return set(re.findall(r"\b[A-Z][A-Z_]+\b|\b[a-z_]+\(", sql)) | {f"{sql.count(' JOIN ')} joins"}
+
+
+def test_test_needs_no_construct_unseen_in_train(splits):
+    """Test combines SQL skills that train teaches; a construct never seen in train measures nothing."""
+    train = set().union(*(constructs(t.gold_sql) for t in splits["train"]))
+    test = set().union(*(constructs(t.gold_sql) for t in splits["test"]))
+    assert test <= train, test - train
+    assert len(sql_env.HELD_OUT_TEMPLATES) >= 1
+
+
+# ----------------------------------------------------------------------------- the tools
+def test_tools_are_openai_schemas():
+    """The chat template's tools= argument expects OpenAI-style function schemas."""
+    names = [t["function"]["name"] for t in SQLEnv.tools]
+    assert names == ["list_tables", "describe_table", "run_sql", "submit_answer"]
+    for tool in SQLEnv.tools:
+        assert tool["type"] == "function" and tool["function"]["parameters"]["type"] == "object"
+        assert set(tool["function"]["parameters"]["required"]) <= set(tool["function"]["parameters"]["properties"])
+
+
+def test_list_tables(db):
+    """list_tables names every table with its columns, in a few short lines."""
+    env = env_for(db)
+    text = env.call("list_tables", {})
+    assert "customers: customer_id, first_name" in text and len(text.splitlines()) == 7
+    assert env.num_tool_calls == 1 and env.num_tool_errors == 0
+
+
+def test_describe_table(db):
+    """describe_table shows row count, types, primary and foreign keys and 3 sample rows; any case works."""
+    text = env_for(db).call("describe_table", {"table": "Orders"})
+    assert text.startswith("table orders (")
+    assert "order_id INTEGER primary key" in text and "customer_id INTEGER -> customers.customer_id" in text
+    assert "(3 rows)" in text and len(text) < 800
+
+
+def test_run_sql_formats_a_small_table(db):
+    """run_sql returns a header, rows, and a row count; NULLs are visible."""
+    text = env_for(db).call("run_sql", {"query": "SELECT 1 AS a, NULL AS b, 2.5 AS c"})
+    assert text == "a | b | c\n1 | NULL | 2.5\n(1 row)"
+
+
+def test_run_sql_truncates_rows_and_characters(db):
+    """Large results are cut to max_rows and max_chars, and the observation says so."""
+    text = env_for(db, max_rows=5).call("run_sql", {"query": "SELECT * FROM customers"})
+    assert len(text.splitlines()) == 7 and "showing the first 5" in text
+    text = env_for(db, max_chars=200).call("run_sql", {"query": "SELECT email FROM customers LIMIT 100"})
+    assert len(text) < 260 and text.endswith("(truncated to 200 characters)")
+
+
+def test_submit_answer_ends_the_episode(db):
+    """submit_answer scores by execution match and ends the episode; later calls are errors."""
+    env = env_for(db)
+    assert env.call("submit_answer", {"query": "SELECT count(customer_id) FROM customers"}) == "Answer submitted."
+    assert env.done and env.correct and env.submitted_sql == "SELECT count(customer_id) FROM customers"
+    assert env.call("run_sql", {"query": "SELECT 1"}).startswith("Error: the answer was already submitted")
+    wrong = env_for(db)
+    wrong.call("submit_answer", {"query": "SELECT COUNT(*) FROM orders"})
+    assert wrong.done and not wrong.correct and wrong.gold_error is None
+
+
+@pytest.mark.parametrize("name, arguments, expected", [
+    ("drop_table", {}, "unknown tool 'drop_table'"),
+    (None, {}, "unknown tool None"),
+    ("run_sql", {}, 'run_sql takes "query"'),
+    ("run_sql", {"sql": "SELECT 1"}, 'run_sql takes "query"'),
+    ("run_sql", {"query": 42}, 'run_sql takes "query"'),
+    ("run_sql", {"query": "SELECT 1", 2: "x"}, 'run_sql takes "query"'),
+    ("run_sql", "SELECT 1", 'run_sql takes "query"'),
+    ("list_tables", {"table": "x"}, "list_tables takes no arguments"),
+    ("describe_table", {"table": "custmers"}, "no table named 'custmers'; the tables are"),
+    ("run_sql", {"query": "SELECT nme FROM customers"}, "no such column: nme"),
+    ("run_sql", {"query": "SELEC 1"}, "syntax error"),
+    ("run_sql", {"query": "DELETE FROM customers"}, "not allowed"),
+    ("run_sql", {"query": ""}, "the query is empty"),
+])
+def test_tool_errors_are_observations(db, name, arguments, expected):
+    """Agent mistakes come back as a short 'Error: ...' text the agent can act on, never as exceptions."""
+    env = env_for(db)
+    text = env.call(name, arguments)
+    assert text.startswith("Error: ") and expected in text and len(text) < 300
+    assert env.num_tool_calls == 1 and env.num_tool_errors == 1 and not env.done
+
+
+def test_broken_gold_is_recorded_not_raised(db):
+    """A task whose own gold SQL fails is a data bug: call() still returns, and the env records it."""
+    env = env_for(db, gold="SELECT * FROM no_such_table")
+    assert env.call("submit_answer", {"query": "SELECT 1"}) == "Answer submitted."
+    assert not env.correct and "no such table" in env.gold_error
+
+
+# ----------------------------------------------------------------------------- execution match
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("SELECT name FROM categories", "SELECT name FROM categories ORDER BY category_id", True),  # same order
+    ("SELECT name FROM categories ORDER BY name DESC", "SELECT name FROM categories", True),  # order free
+    ("SELECT name FROM categories ORDER BY name DESC", "SELECT name FROM categories ORDER BY name", False),
+    ("SELECT 1 UNION ALL SELECT 1 UNION ALL SELECT 2", "SELECT 2 UNION ALL SELECT 1 UNION ALL SELECT 1", True),
+    ("SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 2", "SELECT 2 UNION ALL SELECT 1 UNION ALL SELECT 1", False),
+    ("SELECT 1 UNION SELECT 2", "SELECT 1 UNION ALL SELECT 1 UNION ALL SELECT 2", False),  # duplicates count
+    ("SELECT 0.1 + 0.2", "SELECT 0.3", True),  # float tolerance
+    ("SELECT 3", "SELECT 3.0", True),
+    ("SELECT 0.3001", "SELECT 0.3", False),
+    ("SELECT '3'", "SELECT 3", False),  # text is not a number
+    ("SELECT NULL", "SELECT NULL", True),
+    ("SELECT NULL", "SELECT 0", False),
+    ("SELECT 1, 2", "SELECT 1", False),  # column counts
+    ("SELECT 2 AS b, 1 AS a", "SELECT 1 AS a, 2 AS b", True),  # column order and names are free
+    ("SELECT * FROM categories WHERE 0", "SELECT name FROM categories WHERE 0", True),  # both empty
+    ("SELECT name FROM categories WHERE 0", "SELECT name FROM categories", False),
+    ("SELECT nme FROM categories", "SELECT name FROM categories", False),  # errors are wrong
+    ("WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT COUNT(*) FROM r",
+     "SELECT 1", False),  # timeouts are wrong
+])
+def test_execution_match(db, pred, gold, expected):
+    """Spider test-suite semantics: multiset unless gold orders, floats to tolerance, NULL == NULL."""
+    assert execution_match(db, pred, gold, timeout_s=0.5) is expected
+
+
+def test_gold_results_are_cached(db):
+    """The gold query runs once per database file, however many rollouts are scored against it."""
+    sql_env._gold_rows.cache_clear()
+    for _ in range(3):
+        execution_match(db, "SELECT 1", "SELECT COUNT(*) FROM orders")
+    assert sql_env._gold_rows.cache_info().hits == 2
+
+
+def test_broken_gold_raises(db):
+    """A failing gold query is a data bug, reported loudly with its path, not scored as 'wrong'."""
+    with pytest.raises(SQLError, match="the gold query failed"):
+        execution_match(db, "SELECT 1", "SELECT * FROM nowhere")
+
+
+# ----------------------------------------------------------------------------- the sandbox
+HOSTILE = [
+    "INSERT INTO categories VALUES (99, 'Weapons')",
+    "UPDATE products SET price = 0",
+    "DELETE FROM orders",
+    "REPLACE INTO categories VALUES (1, 'x')",
+    "WITH x AS (SELECT 1) INSERT INTO categories SELECT 100, 'y' FROM x",
+    "DROP TABLE customers",
+    "CREATE TABLE evil (a)",
+    "CREATE TEMP TABLE evil (a)",
+    "CREATE TRIGGER t AFTER INSERT ON orders BEGIN DELETE FROM orders; END",
+    "ALTER TABLE customers ADD COLUMN evil TEXT",
+    "ATTACH DATABASE '{tmp}/evil.sqlite' AS evil",
+    "VACUUM INTO '{tmp}/copy.sqlite'",
+    "VACUUM",
+    "REINDEX",
+    "ANALYZE",
+    "BEGIN IMMEDIATE",
+    "SAVEPOINT s",
+    "PRAGMA writable_schema = ON",
+    "PRAGMA query_only = OFF",
+    "PRAGMA journal_mode = WAL",
+    "SELECT load_extension('{tmp}/evil.so')",
+    "SELECT 1; DROP TABLE customers",
+    "SELECT 1\x00; DROP TABLE customers",
+    "SELECT '\ud800'",
+    "SELECT * FROM customers; DELETE FROM customers",
+    "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT COUNT(*) FROM r",
+    "SELECT COUNT(*) FROM order_items AS a, order_items AS b, order_items AS c",
+    "SELECT a.*, b.* FROM order_items AS a, order_items AS b",
+    "SELECT zeroblob(1000000000)",
+    "SELECT hex(randomblob(400000))",
+    "SELECT group_concat(a.email || b.email) FROM customers AS a, customers AS b",
+    "SELECT substr(quote(zeroblob(60000)), 1) FROM customers",
+    "SELECT " + "(" * 5000 + "1" + ")" * 5000,
+    "SELECT '" + "x" * 200_000 + "'",
+]
+
+
+@pytest.mark.parametrize("sql", HOSTILE)
+def test_hostile_statement_is_refused_or_stopped(db, tmp_path, sql):
+    """Agent SQL is hostile: each statement is refused or stopped in time, and the file is untouched."""
+    before = sha256(db)
+    start = time.monotonic()
+    with pytest.raises(SQLError):
+        run_query(db, sql.format(tmp=tmp_path), timeout_s=1.0)
+    assert time.monotonic() - start < 3.0
+    assert sha256(db) == before and os.listdir(tmp_path) == []
+
+
+def test_read_only_introspection_is_allowed(db):
+    """Reads that help the agent still work: schema pragmas, sqlite_master, bounded recursive CTEs."""
+    assert run_query(db, "PRAGMA table_info(customers)")[1][0][1] == "customer_id"
+    assert run_query(db, "SELECT COUNT(*) FROM sqlite_master")[1][0][0] >= 6
+    assert run_query(db, "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r LIMIT 5) "
+                         "SELECT SUM(n) FROM r  -- a comment\n;")[1] == [(15,)]
+
+
+def test_missing_database_is_a_clear_error(tmp_path):
+    with pytest.raises(SQLError, match="no database file at"):
+        run_query(str(tmp_path / "nope.sqlite"), "SELECT 1")
+
+
+# ----------------------------------------------------------------------------- loaders
+def make_db(path):
+    path.parent.mkdir(parents=True)
+    con = sqlite3.connect(path)
+    con.executescript("CREATE TABLE singer (id INTEGER PRIMARY KEY, name TEXT, age INT);"
+                      "INSERT INTO singer VALUES (1, 'Ann', 30), (2, 'Bo', 41);")
+    con.commit()
+    con.close()
+
+
+@pytest.fixture
+def spider(tmp_path):
+    make_db(tmp_path / "database" / "concert" / "concert.sqlite")
+    (tmp_path / "tables.json").write_text("[]")
+    entries = [{"db_id": "concert", "question": "How many singers?", "query": "SELECT count(*) FROM singer"},
+               {"db_id": "concert", "question": "Oldest?", "query": "SELECT name FROM singer ORDER BY age DESC LIMIT 1"}]
+    (tmp_path / "train_spider.json").write_text(json.dumps(entries))
+    (tmp_path / "dev.json").write_text(json.dumps(entries[:1]))
+    return tmp_path
+
+
+@pytest.fixture
+def bird(tmp_path):
+    make_db(tmp_path / "dev_databases" / "music" / "music.sqlite")
+    entries = [{"db_id": "music", "question": "Names of singers over 35?", "evidence": "over 35 means age > 35",
+                "SQL": "SELECT name FROM singer WHERE age > 35", "difficulty": "moderate"}]
+    (tmp_path / "dev.json").write_text(json.dumps(entries))
+    return tmp_path
+
+
+def test_load_spider(spider):
+    """A Spider folder loads as tasks with runnable gold SQL and estimated tiers."""
+    tasks = load_tasks(str(spider), "train")
+    assert [t.difficulty for t in tasks] == ["medium", "hard"] and len(load_tasks(str(spider), "dev")) == 1
+    assert execution_match(tasks[0].db_path, "SELECT COUNT(id) FROM singer", tasks[0].gold_sql)
+
+
+def test_load_bird(bird):
+    """A BIRD folder loads with its evidence and its own difficulty labels."""
+    (task,) = load_tasks(str(bird), "dev")
+    assert task.evidence == "over 35 means age > 35" and task.difficulty == "medium"
+    assert execution_match(task.db_path, "SELECT name FROM singer WHERE age >= 36", task.gold_sql)
+
+
+def test_loader_errors_name_the_path(spider, tmp_path):
+    """Bad folders give one clear error that names the file, not a traceback from deep inside."""
+    with pytest.raises(FileNotFoundError, match="no data folder"):
+        load_tasks(str(tmp_path / "missing"))
+    with pytest.raises(ValueError, match="neither a Spider folder"):
+        load_tasks(str(spider / "database" / "concert"))
+    with pytest.raises(ValueError, match="splits train, dev, test, not 'validation'"):
+        load_tasks(str(spider), "validation")
+    with pytest.raises(FileNotFoundError, match=re.escape(str(spider / "test.json"))):
+        load_tasks(str(spider), "test")
+    (spider / "dev.json").write_text("[{")
+    with pytest.raises(ValueError, match="malformed JSON in " + re.escape(str(spider / "dev.json"))):
+        load_tasks(str(spider), "dev")
+    (spider / "dev.json").write_text(json.dumps([{"db_id": "concert", "question": "q"}]))
+    with pytest.raises(ValueError, match="entry 0"):
+        load_tasks(str(spider), "dev")
+    (spider / "dev.json").write_text(json.dumps([{"db_id": "gone", "question": "q", "query": "SELECT 1"}]))
+    with pytest.raises(FileNotFoundError, match=re.escape(str(spider / "database" / "gone" / "gone.sqlite"))):
+        load_tasks(str(spider), "dev")
+    with pytest.raises(ValueError, match="splits train, test"):
+        load_tasks(None, "dev")
+
+
+def test_tour_runs(tmp_path):
+    """`python sql_env.py` prints the schema, questions per tier and the split sizes."""
+    result = subprocess.run([sys.executable, "sql_env.py"], capture_output=True, text=True, timeout=120,
+                            cwd=os.path.dirname(os.path.abspath(sql_env.__file__)),
+                            env={**os.environ, "AGENTRL_CACHE": str(tmp_path)})
+    assert result.returncode == 0, result.stderr
+    assert all(f"[{tier}]" in result.stdout for tier in sql_env.TIERS)
+    assert "train: " in result.stdout and "test: " in result.stdout
