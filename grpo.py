@@ -1,0 +1,307 @@
+"""The learning rule: GRPO on a LoRA, written as small pure functions.
+
+    advantages, counts = group_advantages(rewards)                     # 1) better or worse than the group?
+    stats = grpo_step(model, optimizer, trajectories, flat_advantages,  # 2) one optimizer step
+                      GRPOConfig(), reference_context=agentrl.lora_disabled(model))
+
+GRPO (DeepSeekMath, Shao et al. 2024, https://arxiv.org/abs/2402.03300) drops PPO's value
+network: the n trajectories of a group answer the same task, so the group mean reward is the
+baseline, and every trained token of a trajectory shares its advantage. The update is PPO's
+clipped surrogate on those advantages, token by token, over the tokens the model sampled
+(tool results and prompts carry mask 0 and teach nothing).
+
+What one step does: forward the trajectories in micro-batches (gradients accumulate), compute
+token log-probs in chunks over the sequence, the clipped loss with one normalizer for the whole
+step, clip the gradient norm, step the optimizer; a non-finite loss or gradient skips the step.
+
+Letters in shape comments: B sequences in a micro-batch, T tokens (right-padded), H hidden
+size, V vocabulary, N = B * (T - 1) positions flattened.
+
+Simplifications, and why they are safe:
+- The PPO "old" policy is the rollout policy itself (its `sampled_logprobs`), so there is no
+  extra forward pass before the update. With one optimizer step per batch of rollouts the ratio
+  is 1 up to the numerical gap between the KV-cached sampler and this forward; the clip guards
+  that gap and any further steps a caller takes on the same rollouts.
+- The KL reference is the base model with the LoRA switched off (a context manager the caller
+  passes), not a frozen copy: no second model in memory.
+- Entropy is estimated as the mean of -log p(sampled token) over trained tokens (read from the
+  rollout, no full-vocabulary pass). It is the policy entropy in expectation when sampling at
+  temperature 1 without top-p, and a trend indicator otherwise.
+- Log-probs assume logits = lm_head(final hidden state), true for Llama, Qwen2 and SmolLM2;
+  a model with logit soft-capping or scaling would need it added in `_head_logprobs`.
+- Learning-rate schedules, dynamic sampling and multiple epochs over the same rollouts are the
+  caller's business (train.py); this file only turns rollouts into one step.
+"""
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch.utils.checkpoint import checkpoint
+
+AGGREGATIONS = ("token", "sequence", "constant")
+
+
+@dataclass
+class GRPOConfig:
+    micro_batch_size: int = 8         # sequences per forward/backward; gradients accumulate over the step
+    chunk_size: int | None = 512      # positions per lm_head chunk in token_logprobs; None = all at once
+    clip_low: float = 0.2             # PPO epsilon below ratio 1 (Schulman et al. 2017)
+    clip_high: float = 0.28           # above ratio 1: DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476)
+    aggregation: str = "token"        # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO): policy_loss
+    max_tokens: int | None = None     # Dr. GRPO's constant, the generation budget; None = the step's longest
+    kl_coef: float = 0.0              # beta of the k3 KL to the base model; 0 = no reference forward (DAPO)
+    max_grad_norm: float = 1.0        # global gradient-norm clip
+    gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, ~1/3 more compute
+    amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
+
+
+# ---------------------------------------------------------------- 1) advantages
+def group_advantages(rewards, scale_by_std=True, eps=1e-6):
+    """Per-trajectory advantages from per-group rewards: A_i = (r_i - mean(r)) / std(r).
+
+    rewards: one list of floats per group, or None for a group that has no rewards at all.
+    Returns (advantages, counts): advantages[g] is a list (one float per trajectory) or None for
+    a group that carries no signal: unscored (None in), or zero variance (every trajectory got
+    the same reward, so every advantage would be 0). counts says how many of each, for logging.
+    scale_by_std=False is Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): dividing by the std
+    up-weights groups that are nearly all right or all wrong, a difficulty bias they remove.
+    std is the sample std (n - 1), as TRL computes it.
+    """
+    advantages = []
+    counts = {"groups": len(rewards), "trainable_groups": 0, "zero_variance_groups": 0, "unscored_groups": 0}
+    for group in rewards:
+        if group is None:
+            counts["unscored_groups"] += 1
+            advantages.append(None)
+            continue
+        assert len(group) >= 2, f"a group needs at least 2 trajectories to have a baseline, got {len(group)}"
+        r = torch.tensor(group, dtype=torch.float64)  # (n,)
+        assert torch.isfinite(r).all(), f"non-finite reward in group {group}"
+        std = r.std()
+        if std <= eps:
+            counts["zero_variance_groups"] += 1
+            advantages.append(None)
+            continue
+        a = r - r.mean()  # GRPO: the group mean is the baseline
+        if scale_by_std:
+            a = a / std
+        counts["trainable_groups"] += 1
+        advantages.append(a.tolist())
+    return advantages, counts
+
+
+# ---------------------------------------------------------------- 2) token log-probs, chunked
+def _head_logprobs(head, hidden, targets):
+    """log p(target) for n positions: (n, H) hidden, (n,) targets -> (n,) fp32."""
+    logits = head(hidden).float()  # (n, V): the only full-vocabulary tensor, one chunk at a time
+    return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
+
+
+def token_logprobs(model, input_ids, attention_mask, chunk_size=512):
+    """(B, T) fp32 log p(x_t | x_<t) under `model`, 0 at t = 0 (nothing predicts the first token).
+
+    One forward of the decoder gives the last hidden states; the lm_head and log-softmax then run
+    over chunks of `chunk_size` positions. Each chunk runs under activation checkpointing, so
+    autograd keeps only the (n, H) hidden chunk and recomputes the chunk's (n, V) logits in the
+    backward: at most one chunk of fp32 logits is alive at a time instead of B * T * V floats
+    (8 x 1024 x 49152 x 4 bytes = 1.6 GB per copy for SmolLM2, 5 GB for Qwen2.5). The price is
+    a second lm_head matmul in the backward. chunk_size=None computes everything at once (the
+    baseline that bench.py measures against). Right padding; positions come from the mask.
+    """
+    assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, "input_ids and mask must be (B, T)"
+    assert input_ids.shape[1] >= 2, "need at least 2 tokens: one to condition on, one to predict"
+    B, T = input_ids.shape
+    position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): 0, 1, ... over real tokens
+    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                         use_cache=False).last_hidden_state  # (B, T, H)
+    hidden = hidden[:, :-1].reshape(B * (T - 1), -1)  # (N, H): position t - 1 predicts token t
+    targets = input_ids[:, 1:].reshape(-1)  # (N,)
+    head = model.get_output_embeddings()
+    n = chunk_size or len(targets)
+    pieces = zip(hidden.split(n), targets.split(n))
+    if chunk_size and torch.is_grad_enabled():
+        logps = [checkpoint(_head_logprobs, head, h, y, use_reentrant=False) for h, y in pieces]
+    else:  # the unchunked baseline, or no autograd: nothing is kept for a backward anyway
+        logps = [_head_logprobs(head, h, y) for h, y in pieces]
+    logps = torch.cat(logps)  # (N,)
+    return F.pad(logps.view(B, T - 1), (1, 0))  # (B, T)
+
+
+# ---------------------------------------------------------------- 3) the loss
+def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.28,
+                aggregation="token", num_sequences=None, num_tokens=None, max_tokens=None,
+                kl_coef=0.0, ref_logprobs=None):
+    """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats).
+
+    logprobs (B, T) current policy (with grad); old_logprobs (B, T) rollout policy; advantages
+    (B,); mask (B, T) 1 on trained tokens; ref_logprobs (B, T) base model, for the KL.
+    num_sequences / num_tokens are the WHOLE step's counts (default: this batch's). A caller that
+    splits a step into micro-batches passes them, so the micro-batch losses add up to the loss,
+    and the accumulated gradient to the gradient, of the step as one batch.
+    stats (floats, means over this batch's trained tokens): clip_frac_low, clip_frac_high,
+    ratio_mean, kl (None without ref_logprobs), tokens.
+    """
+    assert aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}"
+    assert logprobs.shape == old_logprobs.shape == mask.shape and advantages.shape == mask.shape[:1], "shape mismatch"
+    assert kl_coef == 0 or ref_logprobs is not None, "kl_coef > 0 needs ref_logprobs"
+    mask = mask.float()
+    adv = advantages.float()[:, None]  # (B, 1): every token of a trajectory shares its advantage
+    # Masked positions get log-ratio 0 before exp: prompt tokens have old logprob 0, and exp of a
+    # large difference would overflow to inf, and inf * 0 is nan.
+    ratio = torch.exp((logprobs - old_logprobs) * mask)  # (B, T) pi_theta / pi_old per token
+    # PPO's pessimistic bound (Schulman et al. 2017, arXiv:1707.06347), with DAPO's asymmetric
+    # range: maximize min(r A, clip(r, 1 - eps_low, 1 + eps_high) A). The clip only bites when it
+    # lowers the objective: r > 1 + eps_high for A > 0, r < 1 - eps_low for A < 0; there the
+    # gradient is 0. A wider eps_high lets unlikely tokens with A > 0 grow (less entropy collapse).
+    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # (B, T)
+    kl = None
+    if ref_logprobs is not None:
+        # k3 estimator of KL(pi_theta || pi_ref) from samples of pi_theta: with log_r = ref - logp,
+        # exp(log_r) - log_r - 1 is unbiased and never negative (Schulman, "Approximating KL
+        # divergence", http://joschu.net/blog/kl-approx.html); GRPO uses it as a loss term.
+        log_r = (ref_logprobs - logprobs) * mask
+        kl = torch.exp(log_r) - log_r - 1  # (B, T)
+        per_token = per_token + kl_coef * kl
+
+    # Aggregation: the one normalizer choice, loss = sum over trained tokens of weight * per_token.
+    num_sequences = num_sequences or mask.shape[0]
+    num_tokens = num_tokens or mask.sum()
+    if aggregation == "token":  # DAPO: every trained token of the step weighs the same
+        weights = mask / num_tokens
+    elif aggregation == "sequence":  # original GRPO: mean over each sequence, then over sequences
+        weights = mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_sequences)
+    else:  # "constant", Dr. GRPO: no length-dependent normalizer, so no bias toward long wrong answers
+        assert max_tokens, "aggregation='constant' needs max_tokens"
+        weights = mask / (num_sequences * max_tokens)
+    loss = (per_token * weights).sum()
+
+    with torch.no_grad():
+        n = mask.sum().clamp(min=1)
+        stats = {
+            "clip_frac_low": (((ratio < 1 - clip_low) & (adv < 0)).float() * mask).sum().div(n).item(),
+            "clip_frac_high": (((ratio > 1 + clip_high) & (adv > 0)).float() * mask).sum().div(n).item(),
+            "ratio_mean": (ratio * mask).sum().div(n).item(),
+            "kl": None if kl is None else (kl * mask).sum().div(n).item(),
+            "tokens": int(mask.sum().item()),
+        }
+    return loss, stats
+
+
+# ---------------------------------------------------------------- 4) one optimizer step
+def set_gradient_checkpointing(model, enabled):
+    """Recompute each decoder layer in the backward instead of storing its activations.
+
+    Non-reentrant checkpointing, which needs no input that requires grad; transformers also makes
+    the embedding output require grad, so a frozen base with LoRA layers gets gradients either way.
+    It acts only in train mode with grad enabled, so rollouts (eval, no grad) are unaffected.
+    """
+    if enabled and not model.is_activation_checkpointing:
+        model.activation_checkpointing_enable({"use_reentrant": False})
+    elif not enabled and model.is_activation_checkpointing:
+        model.activation_checkpointing_disable()
+
+
+def _collate(trajectories, advantages, device):
+    """Right-pad a list of trajectories into (B, T) tensors."""
+    T = max(len(t.token_ids) for t in trajectories)
+    for t in trajectories:
+        assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), "trajectory fields differ in length"
+        assert t.assistant_mask[0] == 0, "the first token is never predicted, so it cannot be trained"
+
+    def pad(rows, dtype):
+        return torch.tensor([list(r) + [0] * (T - len(r)) for r in rows], dtype=dtype, device=device)  # (B, T)
+
+    return {
+        "input_ids": pad([t.token_ids for t in trajectories], torch.long),
+        "attention_mask": pad([[1] * len(t.token_ids) for t in trajectories], torch.long),
+        "mask": pad([t.assistant_mask for t in trajectories], torch.float32),
+        "old_logprobs": pad([t.sampled_logprobs for t in trajectories], torch.float32),
+        "advantages": torch.tensor(advantages, dtype=torch.float32, device=device),  # (B,)
+    }
+
+
+def grpo_step(model, optimizer, trajectories, advantages, config, reference_context=None, scaler=None):
+    """One optimizer step on `trajectories` (objects with token_ids, assistant_mask,
+    sampled_logprobs) with one advantage each. `optimizer` holds the trainable (LoRA) parameters.
+    reference_context: a context manager under which `model` is the KL reference (e.g.
+    agentrl.lora_disabled(model)); needed only when config.kl_coef > 0. scaler: a
+    torch.amp.GradScaler for the fp16 path, or None. Returns a dict of floats for logging.
+    """
+    assert len(trajectories) == len(advantages), "one advantage per trajectory"
+    assert all(math.isfinite(a) for a in advantages), "non-finite advantage"
+    assert config.kl_coef == 0 or reference_context is not None, "kl_coef > 0 needs a reference_context"
+    device = next(model.parameters()).device
+    masks = [sum(t.assistant_mask) for t in trajectories]  # trained tokens per trajectory
+    # Normalizer counts over the WHOLE step, forwarded or not (see policy_loss).
+    norm = {"num_sequences": len(trajectories), "num_tokens": sum(masks),
+            "max_tokens": config.max_tokens or max(masks)}
+    stats = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0,
+             "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
+             "sequences": len(trajectories), "tokens": sum(masks), "forwarded_sequences": 0,
+             # estimate: mean of -log p(sampled token) over trained tokens (module docstring)
+             "entropy": -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask))
+                             for t in trajectories) / max(1, sum(masks))}
+
+    # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no gradient;
+    # its tokens are already in the normalizer above, so skipping its forward changes nothing.
+    # With a KL term its tokens are still pulled toward the reference, so then it must be forwarded.
+    # A trajectory without trained tokens (cut off before sampling anything) has nothing to forward.
+    keep = [i for i, a in enumerate(advantages) if masks[i] > 0 and (a != 0 or config.kl_coef > 0)]
+    if not keep:
+        stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
+        return stats
+    keep.sort(key=lambda i: len(trajectories[i].token_ids))  # similar lengths share a micro-batch: less padding
+    mbs = config.micro_batch_size
+    batches = [_collate([trajectories[i] for i in keep[s:s + mbs]], [advantages[i] for i in keep[s:s + mbs]], device)
+               for s in range(0, len(keep), mbs)]
+    autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
+    was_training = model.training
+    model.train()  # checkpointing (and LoRA dropout) act in train mode only
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    optimizer.zero_grad(set_to_none=True)
+    try:
+        refs = [None] * len(batches)
+        if config.kl_coef > 0:
+            with torch.no_grad(), reference_context, autocast:
+                refs = [token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size) for b in batches]
+
+        averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean"] + (["kl"] if config.kl_coef > 0 else [])
+        sums, forwarded_tokens = dict.fromkeys(averaged, 0.0), 0
+        for b, ref in zip(batches, refs):
+            with autocast:
+                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size)
+            loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"],
+                                  clip_low=config.clip_low, clip_high=config.clip_high,
+                                  aggregation=config.aggregation, kl_coef=config.kl_coef, ref_logprobs=ref, **norm)
+            if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
+                stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
+                return stats
+            (scaler.scale(loss) if scaler else loss).backward()
+            stats["loss"] += loss.item()
+            stats["forwarded_sequences"] += len(b["advantages"])
+            forwarded_tokens += s["tokens"]
+            for k in averaged:  # token-weighted means over the micro-batches
+                sums[k] += s[k] * s["tokens"]
+        stats.update({k: v / forwarded_tokens for k, v in sums.items()})
+
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        if scaler:
+            scaler.unscale_(optimizer)  # true gradients, before clipping and the finiteness check
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        stats["grad_norm"] = grad_norm.item()
+        if not torch.isfinite(grad_norm):
+            stats.update(skipped=True, skip_reason=f"non-finite gradient norm ({grad_norm.item()})")
+            if scaler:  # the scaler saw the inf: its step is a no-op and update() lowers the scale
+                scaler.step(optimizer)
+                scaler.update()
+            return stats
+        if scaler:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        return stats
+    finally:
+        optimizer.zero_grad(set_to_none=True)  # a skipped step leaves no stale gradient behind
+        model.train(was_training)

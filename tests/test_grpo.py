@@ -1,0 +1,278 @@
+"""Tests for grpo.py: the math by hand on tiny tensors, the plumbing on a tiny random Llama.
+
+Run: python -m pytest -q tests/test_grpo.py
+"""
+import math
+from types import SimpleNamespace
+
+import pytest
+import torch
+from transformers import LlamaConfig, LlamaForCausalLM
+
+import agentrl
+import grpo
+
+VOCAB = 97
+
+
+# ---------------------------------------------------------------- fixtures
+def tiny_model(seed=0):
+    """2-layer random Llama with agentrl's LoRA (B = 0 at init); returns (model, lora params)."""
+    torch.manual_seed(seed)
+    config = LlamaConfig(vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                         tie_word_embeddings=True)
+    model = LlamaForCausalLM(config).float()
+    return model, agentrl.apply_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
+
+
+def perturb_lora(params, seed=1):
+    """Nonzero B so that the adapter changes the model (and A gets gradients)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in params:
+            p.add_(0.3 * torch.randn(p.shape, generator=g))
+
+
+def trajectories(n=6, seed=0):
+    """Trajectories of different lengths: a prompt (mask 0), then sampled tokens (mask 1)."""
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        prompt, sampled = 3 + i % 3, 4 + (2 * i) % 7
+        ids = torch.randint(0, VOCAB, (prompt + sampled,), generator=g).tolist()
+        mask = [0] * prompt + [1] * sampled
+        logps = [-(0.5 + torch.rand(1, generator=g).item() * 4) * m for m in mask]
+        out.append(SimpleNamespace(token_ids=ids, assistant_mask=mask, sampled_logprobs=logps))
+    return out
+
+
+ADVANTAGES = [1.0, -0.5, 0.7, -1.2, 0.0, 0.4]
+
+
+# ---------------------------------------------------------------- advantages
+def test_advantages_are_group_normalized():
+    """GRPO: reward minus group mean over group std (n - 1); Dr. GRPO: no std division."""
+    adv, counts = grpo.group_advantages([[1.0, 2.0, 3.0], [0.0, 1.0]])
+    assert adv[0] == pytest.approx([-1.0, 0.0, 1.0])
+    assert adv[1] == pytest.approx([-math.sqrt(0.5), math.sqrt(0.5)])
+    adv, _ = grpo.group_advantages([[1.0, 2.0, 4.0]], scale_by_std=False)
+    assert adv[0] == pytest.approx([-4 / 3, -1 / 3, 5 / 3])
+    assert counts == {"groups": 2, "trainable_groups": 2, "zero_variance_groups": 0, "unscored_groups": 0}
+
+
+def test_zero_variance_and_unscored_groups_contribute_nothing_and_are_counted():
+    """An all-equal group has no signal and an unscored one has no rewards: both None, both counted."""
+    adv, counts = grpo.group_advantages([[0.5, 0.5, 0.5], None, [0.0, 1.0]])
+    assert adv[0] is None and adv[1] is None and adv[2] is not None
+    assert counts == {"groups": 3, "trainable_groups": 1, "zero_variance_groups": 1, "unscored_groups": 1}
+
+
+# ---------------------------------------------------------------- the loss by hand
+def hand_example():
+    """Seq 0 (A = +1): ratios 1.5 (clipped at 1.28), 0.9. Seq 1 (A = -1): ratio 0.5 (clipped at 0.8).
+    Per-token losses -1.28, -0.9 and +0.8; the masked positions hold garbage that must not count."""
+    old = torch.tensor([[0.0, -1.0, -2.0, 0.0], [0.0, -1.0, 0.0, 0.0]])
+    logprobs = old + torch.log(torch.tensor([[1.0, 1.5, 0.9, 1.0], [1.0, 0.5, 1.0, 1.0]]))
+    logprobs[:, 3] = -50.0  # padding: huge log-ratio, masked
+    mask = torch.tensor([[0.0, 1, 1, 0], [0, 1, 0, 0]])
+    return logprobs, old, torch.tensor([1.0, -1.0]), mask
+
+
+@pytest.mark.parametrize("aggregation,expected", [
+    ("token", (-1.28 - 0.9 + 0.8) / 3),              # DAPO: all trained tokens weigh the same
+    ("sequence", ((-1.28 - 0.9) / 2 + 0.8 / 1) / 2),  # GRPO: per-sequence mean, then batch mean
+    ("constant", (-1.28 - 0.9 + 0.8) / (2 * 4)),     # Dr. GRPO: sum / (B * max_tokens)
+])
+def test_loss_variants_match_hand_computed_values(aggregation, expected):
+    """Each aggregation is exactly its normalizer applied to the same clipped per-token losses."""
+    loss, stats = grpo.policy_loss(*hand_example(), aggregation=aggregation, max_tokens=4)
+    assert loss.item() == pytest.approx(expected, abs=1e-6)
+    assert stats["clip_frac_high"] == pytest.approx(1 / 3) and stats["clip_frac_low"] == pytest.approx(1 / 3)
+    assert stats["ratio_mean"] == pytest.approx((1.5 + 0.9 + 0.5) / 3, abs=1e-6)
+    assert stats["tokens"] == 3 and stats["kl"] is None
+
+
+@pytest.mark.parametrize("ratio,adv,clipped,stat", [
+    (1.28 + 1e-4, 1.0, True, "clip_frac_high"),   # above 1 + eps_high, A > 0: clipped, no gradient
+    (1.28 - 1e-4, 1.0, False, None),              # just inside: full gradient
+    (1.28 + 1e-4, -1.0, False, None),             # above the range but A < 0: the min keeps r A, gradient flows
+    (0.8 - 1e-4, -1.0, True, "clip_frac_low"),    # below 1 - eps_low, A < 0: clipped
+    (0.8 + 1e-4, -1.0, False, None),              # just inside
+    (0.8 - 1e-4, 1.0, False, None),               # below the range but A > 0: gradient flows
+])
+def test_clipping_at_the_boundaries_depends_on_advantage_sign(ratio, adv, clipped, stat):
+    """The clip zeroes the gradient only where it makes the objective more pessimistic (PPO)."""
+    old = torch.tensor([[0.0, -1.0]], dtype=torch.float64)
+    logprobs = (old + torch.tensor([[0.0, math.log(ratio)]], dtype=torch.float64)).requires_grad_(True)
+    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([adv]), torch.tensor([[0.0, 1.0]]))
+    loss.backward()
+    expected_grad = 0.0 if clipped else -adv * ratio  # d(-r A)/d logp = -r A
+    assert logprobs.grad[0, 1].item() == pytest.approx(expected_grad, abs=1e-9)
+    bound = 1.28 if ratio > 1 else 0.8
+    assert loss.item() == pytest.approx(-adv * (bound if clipped else ratio), abs=1e-9)
+    for key in ("clip_frac_low", "clip_frac_high"):
+        assert stats[key] == (1.0 if key == stat else 0.0)
+
+
+def test_kl_k3_by_hand_and_zero_when_reference_equals_policy():
+    """k3 = exp(d) - d - 1 with d = ref - logp: 1 - ln 2 at d = ln 2, exactly 0 at d = 0."""
+    logprobs, old, adv, mask = hand_example()
+    base, _ = grpo.policy_loss(logprobs, old, adv, mask)
+    same, stats = grpo.policy_loss(logprobs, old, adv, mask, kl_coef=0.5, ref_logprobs=logprobs.clone())
+    assert stats["kl"] == 0.0 and same.item() == pytest.approx(base.item())
+    shifted, stats = grpo.policy_loss(logprobs, old, adv, mask, kl_coef=0.5, ref_logprobs=logprobs + math.log(2))
+    assert stats["kl"] == pytest.approx(1 - math.log(2), abs=1e-6)
+    assert shifted.item() == pytest.approx(base.item() + 0.5 * (1 - math.log(2)), abs=1e-6)
+
+
+# ---------------------------------------------------------------- token log-probs
+def padded_batch(trajs):
+    b = grpo._collate(trajs, [0.0] * len(trajs), torch.device("cpu"))
+    return b["input_ids"], b["attention_mask"]
+
+
+def test_token_logprobs_match_the_model_logits_per_sequence():
+    """Right-padded batch == each sequence alone through model(...).logits: positions and shift are right."""
+    model, _ = tiny_model()
+    trajs = trajectories(3)
+    ids, attn = padded_batch(trajs)
+    with torch.no_grad():
+        got = grpo.token_logprobs(model, ids, attn, chunk_size=5)  # (B, T)
+        for i, t in enumerate(trajs):
+            x = torch.tensor([t.token_ids])
+            want = model(x).logits[0, :-1].log_softmax(-1).gather(-1, x[0, 1:, None]).squeeze(-1)
+            torch.testing.assert_close(got[i, 1:len(t.token_ids)], want, rtol=1e-5, atol=1e-5)
+            assert got[i, 0] == 0
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_chunked_logprobs_equal_unchunked_in_values_and_gradients(checkpointing):
+    """Chunking (with per-chunk recompute) and layer checkpointing change memory, never the math."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    model.train()
+    ids, attn = padded_batch(trajectories(4))
+    weights = torch.randn(ids.shape, generator=torch.Generator().manual_seed(0))
+    results = []
+    for chunk_size, gc in [(None, False), (7, checkpointing)]:
+        grpo.set_gradient_checkpointing(model, gc)
+        logps = grpo.token_logprobs(model, ids, attn, chunk_size=chunk_size)
+        grads = torch.autograd.grad((logps * weights).sum(), params)
+        results.append((logps.detach(), grads))
+    torch.testing.assert_close(results[0][0], results[1][0], rtol=1e-5, atol=1e-6)
+    for g0, g1 in zip(results[0][1], results[1][1]):
+        torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-6)
+
+
+# ---------------------------------------------------------------- one step
+def step(model, params, config, trajs=None, advantages=ADVANTAGES, lr=0.1, **kw):
+    optimizer = torch.optim.SGD(params, lr=lr)
+    trajs = trajs or trajectories(len(advantages))
+    return grpo.grpo_step(model, optimizer, trajs, advantages, config, **kw)
+
+
+@pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
+def test_micro_batch_accumulation_equals_one_big_batch(aggregation):
+    """With step-wide normalizers, micro-batches of 1, 2 or 6 (zero-advantage trajectory skipped) give
+    the update of policy_loss on all 6 trajectories at once."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    trajs = trajectories(6)
+    b = grpo._collate(trajs, ADVANTAGES, torch.device("cpu"))
+    model.train()
+    logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    loss, _ = grpo.policy_loss(logps, b["old_logprobs"], b["advantages"], b["mask"], aggregation=aggregation,
+                               max_tokens=max(sum(t.assistant_mask) for t in trajs))
+    grads = torch.autograd.grad(loss, params)
+    expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]  # one SGD step, lr 0.1
+    for mbs in (1, 2, 6):
+        model, params = tiny_model()
+        perturb_lora(params)
+        config = grpo.GRPOConfig(micro_batch_size=mbs, aggregation=aggregation, max_grad_norm=1e9)
+        stats = step(model, params, config, trajs=trajs)
+        assert stats["loss"] == pytest.approx(loss.item(), rel=1e-4) and stats["forwarded_sequences"] == 5
+        for want, p in zip(expected, params):
+            torch.testing.assert_close(p.detach(), want, rtol=1e-4, atol=1e-6)
+
+
+def test_trajectories_without_signal_are_not_forwarded_unless_kl():
+    """A = 0 or no trained token: no gradient without KL, so no forward; with KL, A = 0 still pulls."""
+    model, params = tiny_model()
+    trajs = trajectories(6)
+    trajs[1].assistant_mask = [0] * len(trajs[1].token_ids)  # cut off before sampling anything
+    trajs[1].sampled_logprobs = [0.0] * len(trajs[1].token_ids)
+    assert step(model, params, grpo.GRPOConfig(), trajs=trajs)["forwarded_sequences"] == 4
+    stats = step(model, params, grpo.GRPOConfig(kl_coef=0.1), trajs=trajs,
+                 reference_context=agentrl.lora_disabled(model))
+    assert stats["forwarded_sequences"] == 5
+
+
+def test_one_step_changes_lora_params_and_only_them():
+    """AdamW on the LoRA parameters moves them; the frozen base model stays bit-identical."""
+    model, params = tiny_model()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
+    before = [p.detach().clone() for p in params]
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, grpo.GRPOConfig(micro_batch_size=4))
+    assert not stats["skipped"] and stats["grad_norm"] > 0
+    assert any(not torch.equal(b, p) for b, p in zip(before, params))
+    for n, p in model.named_parameters():
+        if "lora_" not in n:
+            assert torch.equal(frozen[n], p), f"frozen parameter {n} changed"
+    assert all(p.grad is None for p in params), "the step leaves no gradient behind"
+
+
+def test_kl_is_zero_while_the_adapter_is_a_no_op_then_positive():
+    """With B = 0 the policy is the base model, so KL(policy || LoRA-off) is exactly 0; after a step it is not."""
+    model, params = tiny_model()
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    config = grpo.GRPOConfig(kl_coef=0.1)
+    first, second = (grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config,
+                                    reference_context=agentrl.lora_disabled(model)) for _ in range(2))
+    assert first["kl"] == 0.0 and second["kl"] > 0
+
+
+@pytest.mark.parametrize("where", ["loss", "grad"])
+def test_non_finite_guard_skips_the_step_and_leaves_params_untouched(where):
+    """A nan loss (bad rollout log-prob, fp16 overflow) or nan gradient must not reach the weights."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    trajs = trajectories(6)
+    if where == "loss":
+        trajs[0].sampled_logprobs[-1] = float("nan")
+    else:
+        params[0].register_hook(lambda g: g * float("nan"))
+    before = [p.detach().clone() for p in params]
+    stats = step(model, params, grpo.GRPOConfig(), trajs=trajs)
+    assert stats["skipped"] and "non-finite" in stats["skip_reason"] and where in stats["skip_reason"]
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
+    assert all(p.grad is None for p in params)
+
+
+def test_fp16_grad_scaler_overflow_skips_the_step_and_lowers_the_scale():
+    """The T4 path: fp16 autocast + GradScaler. An inf gradient must skip the step (weights untouched)
+    and halve the scale, and the next step must go through."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    config = grpo.GRPOConfig(amp_dtype=torch.float16)
+    hook = params[0].register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in params]
+    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler=scaler)
+    assert stats["skipped"] and "non-finite gradient" in stats["skip_reason"] and scaler.get_scale() == 2.0**15
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
+    hook.remove()
+    assert not grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler=scaler)["skipped"]
+
+
+def test_stats_are_reported_and_model_mode_restored():
+    """Every logged number exists and is finite; the model goes back to eval mode for rollouts."""
+    model, params = tiny_model()
+    model.eval()
+    stats = step(model, params, grpo.GRPOConfig(micro_batch_size=2, gradient_checkpointing=True))
+    for key in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "entropy", "grad_norm"):
+        assert math.isfinite(stats[key]), key
+    assert stats["entropy"] > 0 and not model.training and stats["tokens"] == sum(
+        sum(t.assistant_mask) for t in trajectories(6))
