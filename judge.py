@@ -1,0 +1,485 @@
+"""The relative judge: an LLM ranks a group of trajectories that attempted the same task.
+
+RULER (OpenPipe, 2025) observed that an LLM is far better at ranking several attempts at one
+task against each other than at scoring one attempt in isolation, and GRPO only needs scores
+that are right *relative to the group* (it subtracts the group mean anyway). So the judge sees
+the whole group in one prompt and returns one score in [0, 1] per trajectory:
+
+    result = score_group([t.messages for t in group.trajectories], HTTPBackend(model="gpt-4.1-mini"))
+    result.scores        # [0.9, 0.1, ...] in trajectory order, or None if the group is unscored
+
+What this file adds to RULER:
+
+1. **Trie serialization.** RULER prints the messages common to *all* trajectories once, then
+   each trajectory's remainder in full. Here the trajectories' message lists go into a trie
+   (one node per message: system, user, each assistant turn, each tool observation), and every
+   branch is printed once, labelled with the ids of the trajectories that share it. Eight
+   samples that make the same first two tool calls cost those calls once, not eight times.
+   Trajectory k is read back as every block whose label lists k, top to bottom (a depth-first
+   walk visits a root-to-leaf path in order), which `parse_serialized` does and the tests
+   round-trip. Identical trajectories are scored once and the score copied.
+2. **Robust parsing.** JSON is dug out of prose or code fences, matched by `trajectory_id`
+   (never by position), clamped to [0, 1] (counted); a bad reply gets a short correction
+   message and another try; if that fails too the group comes back *unscored* instead of
+   raising, so a weak judge never stops training (the trainer falls back to correctness).
+3. **Two backends and a cache.** `LocalBackend` runs any Hugging Face causal LM greedily (by
+   default the policy's own base model with the LoRA switched off); `HTTPBackend` speaks the
+   OpenAI `/v1/chat/completions` protocol (OpenAI, vLLM, Ollama, ...) with the standard library
+   only. Results are cached on disk by a hash of (backend, model, prompt), so re-judging a
+   group is free.
+
+Deliberate simplifications, and why they are safe:
+- The trie is message-level: two assistant turns that differ in one token are two messages.
+  Sharing inside a message would need a diff format no judge reads reliably.
+- Messages are compared on (role, content) only; extra keys are not part of what is judged.
+- Backoff has no jitter: one trainer talks to one endpoint, there is no thundering herd.
+- A prompt longer than the local model's context is refused (unscored), never truncated:
+  cutting trajectories out of a *relative* judgement would silently rank what was not seen.
+"""
+import contextlib
+import hashlib
+import http.client
+import json
+import math
+import os
+import re
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+
+import torch
+
+# ---------------------------------------------------------------- the prompt
+# In RULER's spirit: success dominates, then efficiency, partial credit, proportional gaps.
+DEFAULT_RUBRIC = """\
+- A trajectory that achieves the goal scores far higher than one that does not.
+- Among those that achieve it, fewer wasted steps and fewer errors score higher.
+- A failed trajectory that made real progress scores higher than one that made none.
+- Score gaps should be proportional to quality gaps; equal quality, equal score."""
+
+SYSTEM_PROMPT = """\
+You compare attempts at one task. Every trajectory below is an agent's attempt at the same \
+goal; infer the goal from them. Score each trajectory from 0 to 1, relative to the others.
+
+Layout: each block starts with a line like "=== trajectories 1, 3 ===". Trajectory k is \
+every block whose label lists k, read top to bottom; steps shared by several trajectories \
+are printed once. Each message starts with its role: [system], [user], [assistant], [tool].
+
+Rubric:
+{rubric}
+
+Reply with JSON only, one entry per trajectory id, explanation before score:
+{{"scores": [{{"trajectory_id": 1, "explanation": "...", "score": 0.0}}]}}"""
+
+CORRECTION = ("Your reply could not be used: {error}. Reply with only the JSON object, with one "
+              "entry for each trajectory id in {ids}.")
+
+
+class JudgeError(Exception):
+    """A backend could not produce a reply (endpoint down, prompt too long, ...)."""
+
+
+class ParseError(ValueError):
+    """A reply that does not contain a usable score for every trajectory."""
+
+
+@dataclass
+class JudgeResult:
+    scores: list[float] | None      # (N,) in the order of the conversations; None = unscored
+    explanations: list[str]         # (N,) the judge's reasons; empty when unscored
+    scored: bool
+    attempts: int                   # backend calls made (0 when served from the cache)
+    clamped: int                    # scores that were outside [0, 1] and were clamped
+    error: str = ""                 # why the group is unscored, or the last error retried past
+    cached: bool = False
+
+
+# ---------------------------------------------------------------- serialization
+# A message is printed as a role line "[role]" followed by its content, verbatim. A block is a
+# header line "=== trajectories 1, 3 ===" followed by messages. Content lines that could be
+# read as a header (or that start with the escape character) get one "\" prepended, so the
+# text parses back unambiguously while staying readable.
+_BLOCK_RE = re.compile(r"^=== trajector(?:y|ies) (\d+(?:, \d+)*) ===$")
+_ROLE_RE = re.compile(r"^\[(\w+)\]$")
+
+
+def _escape(line: str) -> str:
+    needs = line.startswith(("\\", "===")) or _ROLE_RE.match(line)
+    return "\\" + line if needs else line
+
+
+def _render_block(ids: list[int], messages: list[dict]) -> str:
+    label = f"trajectory {ids[0]}" if len(ids) == 1 else "trajectories " + ", ".join(map(str, ids))
+    lines = [f"=== {label} ==="]
+    for m in messages:
+        lines.append(f"[{m['role']}]")
+        # split("\n"), not splitlines(): every message has >= 1 content line and the
+        # line count is exact, so an empty tool output is one empty line.
+        lines.extend(_escape(line) for line in m["content"].split("\n"))
+    return "\n".join(lines)
+
+
+def _check(conversations: list[list[dict]]) -> None:
+    assert conversations, "a group needs at least one trajectory"
+    for i, conv in enumerate(conversations, 1):
+        assert conv, f"trajectory {i} has no messages (it needs at least its task)"
+        for m in conv:
+            assert isinstance(m.get("content"), str), f"trajectory {i}: content must be a str: {m}"
+            assert re.fullmatch(r"\w+", m.get("role", "")), f"trajectory {i}: bad role: {m}"
+
+
+def serialize_naive(conversations: list[list[dict]]) -> str:
+    """Every trajectory in full: the baseline cost."""
+    _check(conversations)
+    return "\n".join(_render_block([i], conv) for i, conv in enumerate(conversations, 1))
+
+
+def serialize_ruler(conversations: list[list[dict]]) -> str:
+    """RULER's layout: the messages common to *all* trajectories once, then each remainder."""
+    _check(conversations)
+    n = 0  # length of the common prefix, in messages
+    while all(len(c) > n for c in conversations) and all(
+            _key(c[n]) == _key(conversations[0][n]) for c in conversations):
+        n += 1
+    blocks = [_render_block(list(range(1, len(conversations) + 1)), conversations[0][:n])] if n else []
+    blocks += [_render_block([i], c[n:]) for i, c in enumerate(conversations, 1) if c[n:]]
+    return "\n".join(blocks)
+
+
+def _key(message: dict) -> tuple[str, str]:
+    return message["role"], message["content"]
+
+
+@dataclass
+class _Node:
+    message: dict | None
+    ids: list[int] = field(default_factory=list)                  # trajectories through here
+    children: dict[tuple, "_Node"] = field(default_factory=dict)  # insertion-ordered
+
+
+def serialize_trie(conversations: list[list[dict]]) -> str:
+    """Every branch of the message trie once, labelled with the trajectories that share it."""
+    _check(conversations)
+    root = _Node(None)
+    for i, conv in enumerate(conversations, 1):
+        node = root
+        for m in conv:
+            node = node.children.setdefault(_key(m), _Node({"role": m["role"], "content": m["content"]}))
+            node.ids.append(i)
+    blocks = []
+
+    def walk(node: _Node) -> None:
+        # Depth-first, so the blocks of one trajectory appear in conversation order. A chain
+        # of nodes shared by exactly the same trajectories is one block (path compression).
+        for child in node.children.values():
+            messages = [child.message]
+            while len(child.children) == 1 and next(iter(child.children.values())).ids == child.ids:
+                child = next(iter(child.children.values()))
+                messages.append(child.message)
+            blocks.append(_render_block(child.ids, messages))
+            walk(child)
+
+    walk(root)
+    return "\n".join(blocks)
+
+
+def parse_serialized(text: str) -> list[list[dict]]:
+    """Inverse of the three serializers: trajectory k = every block listing k, in order."""
+    conversations: dict[int, list[dict]] = {}
+    ids: list[int] = []
+    message = None
+    for line in text.split("\n"):
+        block, role = _BLOCK_RE.match(line), _ROLE_RE.match(line)
+        if block:
+            ids, message = [int(x) for x in block.group(1).split(", ")], None
+        elif role:
+            assert ids, f"role line before any block header: {line!r}"
+            message = {"role": role.group(1), "content": None}
+            for i in ids:  # the same dict in every sharing trajectory: filled in below
+                conversations.setdefault(i, []).append(message)
+        else:
+            assert message is not None, f"content line outside a message: {line!r}"
+            line = line[1:] if line.startswith("\\") else line
+            message["content"] = line if message["content"] is None else message["content"] + "\n" + line
+    assert sorted(conversations) == list(range(1, len(conversations) + 1)), "ids must be 1..N"
+    return [[dict(m) for m in conversations[i]] for i in sorted(conversations)]
+
+
+def build_prompt(conversations: list[list[dict]], rubric: str = DEFAULT_RUBRIC,
+                 serializer=serialize_trie) -> list[dict]:
+    """The judge's chat messages: the rubric in the system prompt, the group in the user turn."""
+    ids = ", ".join(str(i) for i in range(1, len(conversations) + 1))
+    user = f"Trajectory ids: {ids}\n\n{serializer(conversations)}"
+    return [{"role": "system", "content": SYSTEM_PROMPT.format(rubric=rubric.strip())},
+            {"role": "user", "content": user}]
+
+
+# ---------------------------------------------------------------- parsing the reply
+def _find_json(text: str):
+    """The first JSON object (or list) in `text` that holds scores: prose and fences skipped."""
+    decoder = json.JSONDecoder()
+    for match in re.finditer(r"[{\[]", text):
+        try:
+            value, _ = decoder.raw_decode(text, match.start())
+        except json.JSONDecodeError:
+            continue
+        if isinstance(value, dict) and isinstance(value.get("scores"), list):
+            return value["scores"]
+        if isinstance(value, list) and value and all(isinstance(e, dict) and "trajectory_id" in e for e in value):
+            return value
+    raise ParseError("no JSON object with a \"scores\" list was found")
+
+
+def _as_id(value) -> int | None:
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    match = re.fullmatch(r"\s*(?:trajectory\s*)?#?(\d+)\s*", str(value), re.IGNORECASE)
+    return int(match.group(1)) if match else None
+
+
+def _as_score(value) -> float:
+    if isinstance(value, bool):
+        raise ParseError(f"score {value!r} is not a number")
+    try:
+        score = float(value)
+    except (TypeError, ValueError):
+        raise ParseError(f"score {value!r} is not a number") from None
+    if not math.isfinite(score):
+        raise ParseError(f"score {value!r} is not finite")
+    return score
+
+
+def parse_scores(text: str, n: int) -> tuple[list[float], list[str], int]:
+    """Scores and explanations for ids 1..n from a judge reply, plus how many were clamped.
+
+    Raises ParseError (with a message fit to send back to the judge) when any id is missing,
+    scored twice, or has no numeric score. Ids outside 1..n are ignored.
+    """
+    found: dict[int, tuple[float, str]] = {}
+    for entry in _find_json(text):
+        if not isinstance(entry, dict):
+            raise ParseError(f"entry {entry!r} is not an object")
+        i = _as_id(entry.get("trajectory_id"))
+        if i is None or not 1 <= i <= n:
+            continue
+        if i in found:
+            raise ParseError(f"trajectory {i} is scored twice")
+        if "score" not in entry:
+            raise ParseError(f"trajectory {i} has no score")
+        found[i] = (_as_score(entry["score"]), str(entry.get("explanation", "")))
+    missing = [i for i in range(1, n + 1) if i not in found]
+    if missing:
+        raise ParseError(f"no score for trajectory ids {missing}")
+    raw = [found[i][0] for i in range(1, n + 1)]
+    scores = [min(1.0, max(0.0, s)) for s in raw]
+    clamped = sum(s != r for s, r in zip(scores, raw))
+    return scores, [found[i][1] for i in range(1, n + 1)], clamped
+
+
+# ---------------------------------------------------------------- scoring a group
+def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_RUBRIC,
+                max_retries: int = 2, cache_dir: str | None = None) -> JudgeResult:
+    """Relative scores in [0, 1] for a group of trajectories that attempted the same task.
+
+    Never raises on a bad judge: a backend failure, or replies still unusable after
+    `max_retries` corrections, give `JudgeResult(scored=False, scores=None, error=...)`.
+    """
+    _check(conversations)
+    assert max_retries >= 0, "max_retries must be >= 0"
+    # 1) identical trajectories are judged once: unique[k] stands for every i with index[i] == k
+    unique, index, seen = [], [], {}
+    for conv in conversations:
+        key = json.dumps([_key(m) for m in conv])
+        if key not in seen:
+            seen[key] = len(unique)
+            unique.append(conv)
+        index.append(seen[key])
+
+    def expand(scores, explanations, **info) -> JudgeResult:
+        return JudgeResult([scores[k] for k in index], [explanations[k] for k in index], True, **info)
+
+    # 2) the prompt, and the cache entry it would have
+    prompt = build_prompt(unique, rubric)
+    path = None
+    if cache_dir is not None:
+        digest = hashlib.sha256(json.dumps([backend.cache_id, prompt]).encode()).hexdigest()
+        path = os.path.join(cache_dir, digest[:2], digest + ".json")
+        hit = _read_cache(path)
+        if hit is not None:
+            return expand(hit["scores"], hit["explanations"], attempts=0, clamped=hit["clamped"], cached=True)
+
+    # 3) ask, and on an unusable reply, ask again with a short correction
+    messages, error = prompt, ""
+    for attempt in range(1, max_retries + 2):
+        try:
+            reply = backend.complete(messages)
+        except JudgeError as e:
+            return JudgeResult(None, [], False, attempt, 0, f"backend: {e}")
+        try:
+            scores, explanations, clamped = parse_scores(reply, len(unique))
+        except ParseError as e:
+            error = str(e)
+            ids = ", ".join(str(i) for i in range(1, len(unique) + 1))
+            messages = prompt + [{"role": "assistant", "content": reply},
+                                 {"role": "user", "content": CORRECTION.format(error=error, ids=ids)}]
+            continue
+        if path is not None:
+            _write_json_atomic(path, {"scores": scores, "explanations": explanations, "clamped": clamped})
+        return expand(scores, explanations, attempts=attempt, clamped=clamped, error=error)
+    return JudgeResult(None, [], False, max_retries + 1, 0, f"unparseable reply: {error}")
+
+
+def _read_cache(path: str) -> dict | None:
+    """A cached judgement, or None (a missing or corrupt entry is just a miss)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError):
+        return None
+
+
+def _write_json_atomic(path: str, value) -> None:
+    """Temp file in the same folder + rename: a killed run never leaves a half-written entry."""
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+        json.dump(value, f, ensure_ascii=False)
+    os.replace(tmp, path)
+
+
+# ---------------------------------------------------------------- backends
+# A backend is any object with `cache_id: str` (what identifies its answers: kind + model)
+# and `complete(messages) -> str`, raising JudgeError when it cannot answer.
+class LocalBackend:
+    """A Hugging Face causal LM on this machine, decoding greedily within a token budget.
+
+    If the model carries agentrl's LoRA (the usual case: the judge is the policy's own base
+    model), the adapter is switched off while judging, so the judge does not drift with the
+    policy. `max_context` defaults to the model's `max_position_embeddings`; a prompt that
+    leaves fewer than `min_new_tokens` for the reply is refused with a JudgeError.
+    """
+
+    def __init__(self, model, tokenizer, max_new_tokens: int = 512, max_context: int | None = None,
+                 min_new_tokens: int = 64, name: str | None = None):
+        self.model, self.tokenizer = model, tokenizer
+        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
+        self.max_context = max_context or model.config.max_position_embeddings
+        self.cache_id = "local:" + (name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
+
+    def _adapter_off(self):
+        # A model can only carry our LoRA if agentrl was imported to put it there, so a
+        # sys.modules lookup (not an import) keeps this file independent of the model code.
+        agentrl = sys.modules.get("agentrl")
+        if agentrl is not None and agentrl.lora_parameters(self.model):
+            return agentrl.lora_disabled(self.model)
+        return contextlib.nullcontext()
+
+    @torch.inference_mode()
+    def complete(self, messages: list[dict]) -> str:
+        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
+        device = next(self.model.parameters()).device
+        input_ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)  # (1, T)
+        budget = min(self.max_new_tokens, self.max_context - input_ids.shape[1])
+        if budget < self.min_new_tokens:
+            raise JudgeError(f"prompt of {input_ids.shape[1]} tokens leaves {budget} of the "
+                             f"{self.max_context}-token context for the reply (need {self.min_new_tokens})")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with self._adapter_off():
+                eos = self.tokenizer.eos_token_id
+                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
+                                          max_new_tokens=budget, eos_token_id=eos, pad_token_id=eos)  # (1, T + new)
+        finally:
+            self.model.train(was_training)
+        return self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+
+class HTTPBackend:
+    """Any OpenAI-compatible `/v1/chat/completions` endpoint, with the standard library only.
+
+    Arguments fall back to the usual environment variables: OPENAI_BASE_URL (default
+    https://api.openai.com/v1), OPENAI_API_KEY (may be empty for a local vLLM or Ollama) and
+    AGENTRL_JUDGE_MODEL. Failures that may pass (429, 5xx, timeouts, refused connections) are
+    retried `max_retries` times, waiting `backoff_s * 2**k` seconds, or what a 429's
+    Retry-After asks (capped at `max_wait_s`). JSON mode is requested; an endpoint that
+    rejects it with a 400 is asked again without it, and never again with it.
+    """
+
+    def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
+                 timeout_s: float = 60, max_retries: int = 4, backoff_s: float = 1.0, max_wait_s: float = 60,
+                 max_tokens: int = 2048, json_mode: bool = True):
+        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
+        self.model = model or os.environ.get("AGENTRL_JUDGE_MODEL")
+        if not self.model:
+            raise ValueError("no judge model: pass model= or set AGENTRL_JUDGE_MODEL")
+        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
+        self.timeout_s, self.max_retries, self.backoff_s, self.max_wait_s = timeout_s, max_retries, backoff_s, max_wait_s
+        self.max_tokens, self.json_mode = max_tokens, json_mode
+        self.cache_id = f"http:{self.base_url}:{self.model}"
+
+    def _headers(self) -> dict:
+        headers = {"Content-Type": "application/json"}
+        if self.api_key:
+            headers["Authorization"] = f"Bearer {self.api_key}"
+        return headers
+
+    def check(self) -> str | None:
+        """Why the endpoint is unusable (unreachable, key refused, server error), or None if fine.
+
+        One GET of `/models`, no retries: meant for a trainer's start, to fail fast. A 404 counts
+        as reachable (some proxies serve chat completions without listing models).
+        """
+        request = urllib.request.Request(self.base_url + "/models", headers=self._headers())
+        try:
+            with urllib.request.urlopen(request, timeout=min(self.timeout_s, 10)):
+                return None
+        except urllib.error.HTTPError as e:
+            return None if e.code == 404 else f"HTTP {e.code} from {self.base_url}/models"
+        except (OSError, http.client.HTTPException) as e:
+            return f"cannot reach {self.base_url}: {e!r}"
+
+    def _post(self, messages: list[dict]) -> str:
+        body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.max_tokens}
+        if self.json_mode:
+            body["response_format"] = {"type": "json_object"}
+        request = urllib.request.Request(self.base_url + "/chat/completions", json.dumps(body).encode(), self._headers())
+        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
+            return response.read().decode("utf-8")
+
+    def complete(self, messages: list[dict]) -> str:
+        retries = 0
+        while True:
+            wait, why = None, ""
+            try:
+                payload = json.loads(self._post(messages))
+                return payload["choices"][0]["message"]["content"] or ""
+            except urllib.error.HTTPError as e:
+                detail = e.read().decode("utf-8", "replace")[:300]
+                if e.code == 400 and self.json_mode:
+                    self.json_mode = False  # JSON mode unsupported here: ask again without it
+                    continue
+                if e.code != 429 and e.code < 500:
+                    raise JudgeError(f"HTTP {e.code} from {self.base_url}: {detail}") from None
+                why = f"HTTP {e.code}: {detail}"
+                wait = _retry_after(e.headers.get("Retry-After")) if e.code == 429 else None
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+                why = f"malformed response body ({e!r})"
+            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
+                why = f"connection failed: {e!r}"
+            if retries == self.max_retries:
+                raise JudgeError(f"giving up after {retries + 1} requests; last: {why}")
+            time.sleep(min(self.max_wait_s, wait if wait is not None else self.backoff_s * 2 ** retries))
+            retries += 1
+
+
+def _retry_after(value: str | None) -> float | None:
+    """Seconds from a Retry-After header (delta-seconds form; an HTTP date falls back to backoff)."""
+    try:
+        return max(0.0, float(value))
+    except (TypeError, ValueError):
+        return None
+

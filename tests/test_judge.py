@@ -1,0 +1,385 @@
+"""Tests for judge.py: serialization, reply parsing, score_group, HTTP and local backends.
+
+The HTTP backend is tested against a real http.server on 127.0.0.1 that plays a script of
+responses; the local backend against conftest's tiny random Llama and embedded tokenizer.
+"""
+import contextlib
+import http.server
+import json
+import os
+import random
+import sys
+import threading
+import time
+import types
+
+import pytest
+import torch
+
+from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, parse_scores, parse_serialized,
+                   score_group, serialize_naive, serialize_ruler, serialize_trie)
+
+SERIALIZERS = [serialize_naive, serialize_ruler, serialize_trie]
+
+
+def msg(role, content):
+    return {"role": role, "content": content}
+
+
+SYS, USER = msg("system", "You answer with SQL tools."), msg("user", "How many singers are there?")
+CALL_A = msg("assistant", '<tool_call>{"name": "list_tables", "arguments": {}}</tool_call>')
+OBS_A = msg("tool", "singer\nconcert")
+CALL_B = msg("assistant", '<tool_call>{"name": "run_sql", "arguments": {"sql": "SELECT COUNT(*) FROM singer"}}</tool_call>')
+
+
+def group():
+    """1 and 2 share their first tool call and its observation; 3 goes its own way."""
+    return [[SYS, USER, CALL_A, OBS_A, msg("assistant", "There are 6.")],
+            [SYS, USER, CALL_A, OBS_A, CALL_B, msg("tool", "[(6,)]")],
+            [SYS, USER, msg("assistant", "I don't know.")]]
+
+
+class Scripted:
+    """A backend that replays canned replies and records the prompts it was sent."""
+    cache_id = "scripted"
+
+    def __init__(self, *replies):
+        self.replies, self.prompts = list(replies), []
+
+    def complete(self, messages):
+        self.prompts.append(messages)
+        reply = self.replies.pop(0)
+        if isinstance(reply, Exception):
+            raise reply
+        return reply
+
+
+def reply(*scores):
+    return json.dumps({"scores": [{"trajectory_id": i, "explanation": f"e{i}", "score": s}
+                                  for i, s in enumerate(scores, 1)]})
+
+
+# ---------------------------------------------------------------- serialization
+def test_trie_prints_shared_branches_once():
+    """The point of the trie: a prefix shared by only some trajectories is sent once, labelled."""
+    trie, ruler = serialize_trie(group()), serialize_ruler(group())
+    assert trie.count(CALL_A["content"]) == 1 and ruler.count(CALL_A["content"]) == 2
+    assert trie.count(SYS["content"]) == 1 and trie.count(USER["content"]) == 1
+    assert "=== trajectories 1, 2, 3 ===" in trie and "=== trajectories 1, 2 ===" in trie
+    assert len(trie) < len(ruler) < len(serialize_naive(group()))
+
+
+@pytest.mark.parametrize("serializer", SERIALIZERS)
+def test_round_trip_on_tricky_content(serializer):
+    """Every layout must parse back to exactly the input: the judge reads the same thing we meant,
+    even when content looks like our own headers, is empty, unicode, or ends in newlines."""
+    tricky = msg("tool", "=== trajectory 9 ===\n[user]\n\\escaped\n[(1, 'a')]\n\n")
+    convs = [[SYS, USER, tricky, msg("assistant", "fin\n")],
+             [SYS, USER, tricky],                                     # a prefix of the first
+             [SYS, USER, msg("tool", ""), msg("assistant", "")],      # empty contents
+             [SYS, USER, msg("assistant", "Ça coûte 5 € — 日本語 ✓\r\nok")]]
+    assert parse_serialized(serializer(convs)) == convs
+
+
+def test_round_trip_on_random_groups():
+    """Seeded fuzz: random groups over a small message alphabet (so branches really share)
+    round-trip through all three layouts."""
+    rng = random.Random(0)
+    alphabet = [msg(r, c) for r in ("assistant", "tool") for c in ("a", "b", "", "=== x ===", "[tool]", "\\")]
+    for _ in range(200):
+        convs = [[SYS] + [rng.choice(alphabet) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 6))]
+        for serializer in SERIALIZERS:
+            assert parse_serialized(serializer(convs)) == convs, (serializer.__name__, convs)
+
+
+def test_identical_trajectories_share_one_branch():
+    """Identical trajectories cost one copy in the trie, labelled with all their ids."""
+    a, b = group()[0], group()[2]
+    text = serialize_trie([a, b, a])
+    assert text.count("There are 6.") == 1 and "=== trajectories 1, 3 ===" in text
+    assert parse_serialized(text) == [a, b, a]
+
+
+def test_single_trajectory():
+    """A group of one is one block, the same in all three layouts."""
+    conv = group()[0]
+    assert serialize_trie([conv]) == serialize_naive([conv]) == serialize_ruler([conv])
+    assert serialize_trie([conv]).startswith("=== trajectory 1 ===\n[system]\n")
+
+
+def test_empty_tool_output_and_unicode_are_verbatim():
+    """An empty observation is one empty line; unicode is printed as is, not \\u-escaped."""
+    text = serialize_trie([[SYS, msg("tool", ""), msg("assistant", "naïve → ✓")]])
+    assert "[tool]\n\n[assistant]\nnaïve → ✓" in text
+
+
+def test_empty_trajectory_is_refused():
+    """A trajectory without messages cannot be judged or reconstructed: a clear error, not a gap."""
+    with pytest.raises(AssertionError, match="no messages"):
+        serialize_trie([[SYS], []])
+
+
+# ---------------------------------------------------------------- parsing replies
+def test_parse_prose_wrapped_and_fenced_json():
+    """Judges wrap JSON in prose and code fences; the scores must still be found."""
+    body = reply(0.9, 0.1)
+    for text in (f"Here are my scores:\n{body}\nHope this helps.", f"```json\n{body}\n```"):
+        scores, explanations, clamped = parse_scores(text, 2)
+        assert scores == [0.9, 0.1] and explanations == ["e1", "e2"] and clamped == 0
+
+
+def test_parse_matches_ids_not_positions():
+    """Out-of-order entries are matched by trajectory_id (also given as a string)."""
+    text = json.dumps({"scores": [{"trajectory_id": "2", "score": 0.2}, {"trajectory_id": 1, "score": 0.7}]})
+    assert parse_scores(text, 2)[0] == [0.7, 0.2]
+
+
+def test_parse_missing_id_raises_and_extra_id_is_ignored():
+    """A missing id is an error to correct; an id outside the group is noise to drop."""
+    with pytest.raises(ParseError, match=r"\[2\]"):
+        parse_scores(reply(0.5), 2)
+    text = json.dumps({"scores": [{"trajectory_id": i, "score": 0.5} for i in (1, 2, 9)]})
+    assert parse_scores(text, 2)[0] == [0.5, 0.5]
+
+
+def test_parse_clamps_and_coerces_scores():
+    """7 and -1 are clamped (and counted); "0.8" is a number; "high" is an error."""
+    scores, _, clamped = parse_scores(reply(7, -1, "0.8"), 3)
+    assert scores == [1.0, 0.0, 0.8] and clamped == 2
+    with pytest.raises(ParseError, match="not a number"):
+        parse_scores(reply("high"), 1)
+
+
+def test_parse_truncated_json_raises():
+    """A reply cut off mid-JSON (token budget) is an error, not a partial result."""
+    with pytest.raises(ParseError, match="no JSON"):
+        parse_scores(reply(0.9, 0.1)[:-20], 2)
+
+
+# ---------------------------------------------------------------- score_group
+def test_identical_trajectories_scored_once_and_copied():
+    """The judge sees each distinct trajectory once; duplicates get the same score and reason."""
+    a, b = group()[0], group()[2]
+    backend = Scripted(reply(0.9, 0.2))
+    result = score_group([a, b, a, a], backend)
+    assert result.scored and result.scores == [0.9, 0.2, 0.9, 0.9] and result.explanations == ["e1", "e2", "e1", "e1"]
+    assert "Trajectory ids: 1, 2\n" in backend.prompts[0][1]["content"]
+
+
+def test_bad_reply_is_corrected_then_scored():
+    """An unusable reply gets one short correction turn; the second reply is used."""
+    backend = Scripted("I think trajectory 1 is best.", reply(0.1, 0.9, 0.5))
+    result = score_group(group(), backend)
+    assert result.scored and result.attempts == 2 and result.scores == [0.1, 0.9, 0.5]
+    retry = backend.prompts[1]
+    assert retry[:2] == backend.prompts[0] and retry[2] == msg("assistant", "I think trajectory 1 is best.")
+    assert "could not be used" in retry[3]["content"] and "1, 2, 3" in retry[3]["content"]
+
+
+def test_hopeless_judge_gives_unscored_result():
+    """After max_retries corrections, or on a backend error, the group is unscored: no raise."""
+    result = score_group(group(), Scripted("no", "nope", "never"), max_retries=2)
+    assert not result.scored and result.scores is None and result.attempts == 3 and "no JSON" in result.error
+    result = score_group(group(), Scripted(JudgeError("endpoint down")))
+    assert not result.scored and result.attempts == 1 and "endpoint down" in result.error
+
+
+def test_cache_serves_repeat_and_is_keyed_by_backend(tmp_path):
+    """Re-judging the same group costs no call; another backend (cache_id) is a miss."""
+    first = score_group(group(), Scripted(reply(0.3, 0.6, 0.9)), cache_dir=str(tmp_path))
+    again = score_group(group(), Scripted(), cache_dir=str(tmp_path))  # would raise if called
+    assert again.cached and again.attempts == 0 and again.scores == first.scores == [0.3, 0.6, 0.9]
+    other = Scripted(reply(0.0, 0.0, 1.0))
+    other.cache_id = "other"
+    assert score_group(group(), other, cache_dir=str(tmp_path)).scores == [0.0, 0.0, 1.0]
+    files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
+    assert len(files) == 2 and all(f.endswith(".json") for f in files)  # no temp files left
+
+
+# ---------------------------------------------------------------- HTTP backend, real server
+class ScriptedServer:
+    """A real HTTP server on 127.0.0.1 that answers from a script of (status, headers, body, delay)."""
+
+    def __init__(self, script):
+        self.script, self.requests = list(script), []
+        outer = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                outer.requests.append({"time": time.monotonic(), "path": self.path, "body": body,
+                                       "auth": self.headers.get("Authorization")})
+                status, headers, payload, delay = outer.script.pop(0)
+                time.sleep(delay)
+                data = payload.encode()
+                self.send_response(status)
+                for k, v in headers.items():
+                    self.send_header(k, v)
+                self.send_header("Content-Length", str(len(data)))
+                self.end_headers()
+                with contextlib.suppress(BrokenPipeError, ConnectionResetError):  # client timed out
+                    self.wfile.write(data)
+
+            def do_GET(self):
+                outer.requests.append({"time": time.monotonic(), "path": self.path, "auth": self.headers.get("Authorization")})
+                self.send_response(200 if self.path.endswith("/models") else 404)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/v1"
+        threading.Thread(target=self.server.serve_forever, args=(0.05,), daemon=True).start()
+
+    def gaps(self):
+        times = [r["time"] for r in self.requests]
+        return [b - a for a, b in zip(times, times[1:])]
+
+
+@pytest.fixture
+def serve():
+    servers = []
+
+    def start(*script):
+        servers.append(ScriptedServer(script))
+        return servers[-1]
+
+    yield start
+    for s in servers:
+        s.server.shutdown()
+        s.server.server_close()
+
+
+def ok(content):
+    return 200, {"Content-Type": "application/json"}, json.dumps({"choices": [{"message": {"content": content}}]}), 0
+
+
+def fast_backend(server, **kw):
+    return HTTPBackend(base_url=server.url, model="judge-model", api_key="sk-test", timeout_s=2, backoff_s=0.05, **kw)
+
+
+def test_http_valid_reply(serve):
+    """One request to /chat/completions with the model, key, temperature 0 and JSON mode."""
+    server = serve(ok(reply(0.2, 0.8, 0.5)))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.scores == [0.2, 0.8, 0.5] and len(server.requests) == 1
+    request = server.requests[0]
+    assert request["path"] == "/v1/chat/completions" and request["auth"] == "Bearer sk-test"
+    assert request["body"]["model"] == "judge-model" and request["body"]["temperature"] == 0
+    assert request["body"]["response_format"] == {"type": "json_object"}
+
+
+def test_http_malformed_then_valid(serve):
+    """A malformed judge reply is corrected through a second request, not an HTTP retry."""
+    server = serve(ok('{"scores": [{"trajectory_id": 1, "score"'), ok(reply(1, 0, 0)))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.attempts == 2 and len(server.requests) == 2
+    assert server.requests[1]["body"]["messages"][-1]["role"] == "user"
+
+
+def test_http_500_then_valid_backs_off(serve):
+    """A 5xx is retried after backoff_s."""
+    server = serve((500, {}, "overloaded", 0), ok("fine"))
+    assert fast_backend(server).complete([USER]) == "fine"
+    assert len(server.requests) == 2 and server.gaps()[0] >= 0.05
+
+
+def test_http_429_honours_retry_after(serve):
+    """A 429's Retry-After (1 s) wins over a much shorter backoff."""
+    server = serve((429, {"Retry-After": "1"}, "slow down", 0), ok("fine"))
+    assert fast_backend(server).complete([USER]) == "fine"
+    assert server.gaps()[0] >= 1.0
+
+
+def test_http_timeout_is_retried(serve):
+    """A response slower than timeout_s is abandoned and the request retried."""
+    server = serve(ok("too late")[:3] + (1.5,), ok("fine"))
+    backend = HTTPBackend(base_url=server.url, model="m", timeout_s=0.3, backoff_s=0.01)
+    assert backend.complete([USER]) == "fine" and len(server.requests) == 2
+
+
+def test_http_rejected_json_mode_is_dropped(serve):
+    """An endpoint that answers 400 to response_format is asked again without it."""
+    server = serve((400, {}, "response_format not supported", 0), ok("fine"), ok("again"))
+    backend = fast_backend(server)
+    assert backend.complete([USER]) == "fine" and backend.complete([USER]) == "again"
+    assert [("response_format" in r["body"]) for r in server.requests] == [True, False, False]
+
+
+def test_http_persistent_failure_gives_unscored_group(serve):
+    """500 on every request: max_retries + 1 requests with exponential gaps, then unscored."""
+    server = serve(*[(500, {}, "down", 0)] * 3)
+    result = score_group(group(), fast_backend(server, max_retries=2))
+    assert not result.scored and result.scores is None and "giving up after 3 requests" in result.error
+    gaps = server.gaps()
+    assert len(server.requests) == 3 and gaps[0] >= 0.05 and gaps[1] >= 0.1
+
+
+def test_http_client_error_is_not_retried(serve):
+    """A 401 will not pass by waiting: one request, then a JudgeError."""
+    server = serve((401, {}, "bad key", 0))
+    with pytest.raises(JudgeError, match="401"):
+        fast_backend(server, json_mode=False).complete([USER])
+    assert len(server.requests) == 1
+
+
+def test_http_check_reports_reachability(serve):
+    """check() is a cheap start-up probe: None for a live endpoint, a reason for a dead one."""
+    server = serve()
+    assert fast_backend(server).check() is None and server.requests[0]["path"] == "/v1/models"
+    port = server.server.server_address[1]
+    server.server.shutdown()
+    server.server.server_close()
+    problem = HTTPBackend(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_s=1).check()
+    assert problem and "cannot reach" in problem
+
+
+def test_http_settings_from_environment(monkeypatch):
+    """Base URL, key and model fall back to OPENAI_BASE_URL, OPENAI_API_KEY, AGENTRL_JUDGE_MODEL."""
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://example.invalid/v1/")
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-env")
+    monkeypatch.setenv("AGENTRL_JUDGE_MODEL", "env-model")
+    backend = HTTPBackend()
+    assert (backend.base_url, backend.api_key, backend.model) == ("http://example.invalid/v1", "sk-env", "env-model")
+    monkeypatch.delenv("AGENTRL_JUDGE_MODEL")
+    with pytest.raises(ValueError, match="AGENTRL_JUDGE_MODEL"):
+        HTTPBackend()
+
+
+# ---------------------------------------------------------------- local backend, tiny model
+def test_local_backend_end_to_end(tiny_llama, smol_tokenizer):
+    """A random tiny model judges badly, but the path runs and the result is well formed."""
+    result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=16, min_new_tokens=8),
+                         max_retries=1)
+    assert result.attempts == 2 or (result.scored and result.attempts == 1)
+    if result.scored:
+        assert len(result.scores) == 3 and all(0 <= s <= 1 for s in result.scores)
+    else:
+        assert result.scores is None and result.error
+
+
+def test_local_backend_refuses_prompt_over_context(tiny_llama, smol_tokenizer):
+    """A prompt that does not fit the context is refused (unscored), never truncated."""
+    backend = LocalBackend(tiny_llama, smol_tokenizer, max_context=256)
+    result = score_group(group(), backend)
+    assert not result.scored and result.attempts == 1 and "256-token context" in result.error
+
+
+def test_local_backend_switches_lora_off(tiny_llama, smol_tokenizer, monkeypatch):
+    """With agentrl's LoRA on the model, generation runs inside lora_disabled (the base model)."""
+    events = []
+
+    @contextlib.contextmanager
+    def lora_disabled(model):
+        events.append("off")
+        yield
+        events.append("on")
+
+    fake = types.SimpleNamespace(lora_parameters=lambda model: [torch.zeros(1)], lora_disabled=lora_disabled)
+    monkeypatch.setitem(sys.modules, "agentrl", fake)
+    monkeypatch.setattr(tiny_llama, "generate", lambda ids, **kw: events.append("generate") or ids)
+    tiny_llama.train()
+    assert LocalBackend(tiny_llama, smol_tokenizer).complete([USER]) == ""
+    assert events == ["off", "generate", "on"] and tiny_llama.training
