@@ -1,0 +1,447 @@
+"""Train a tool-using SQL agent with GRPO: the loop that `python train.py` runs.
+
+    python train.py                                  # embedded model + data, sized for this machine
+    python train.py --steps 50 --group-size 8        # any knob below is one flag away
+    python train.py --resume --out runs/default      # continue a killed run from its last checkpoint
+    python train.py --eval-only --adapter runs/default/final   # evaluate a trained adapter
+
+One step of the loop, the whole algorithm:
+
+    1) sample tasks      a few questions from the train split, weighted toward tiers the agent
+                         gets right about half the time (DAPO's "dynamic sampling" in spirit:
+                         groups that are all right or all wrong carry no signal)
+    2) rollouts          N trajectories per task, sampled with the current LoRA policy
+    3) reward            reward = judge_score + bonus * correct   (one visible line, below)
+    4) advantages        normalized within each group; all-equal groups are skipped and counted
+    5) update            one clipped policy-gradient step on the LoRA parameters only
+    6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl
+    7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter + optimizer +
+                         RNG state written atomically, so a killed run resumes with nothing lost
+
+Deliberate simplifications, and why they are safe:
+- One optimizer step per batch of rollouts (no PPO epochs): the ratio in the loss is then 1 at
+  the first micro-batch and only drifts through numerics, so clipping rarely bites; it stays in
+  the loss because forks that add epochs need it.
+- Per-step seeds are derived from (--seed, step), so a resumed run samples exactly the tasks and
+  tokens the uninterrupted run would have: resume needs no sampler state beyond the step count
+  and the per-tier success rates, which the checkpoint stores.
+"""
+import argparse
+import errno
+import json
+import os
+import random
+import shutil
+import tempfile
+import time
+
+import torch
+from tqdm import tqdm
+
+import agentrl
+import grpo
+import judge as judge_lib
+import sql_env
+
+
+# ----------------------------------------------------------------------------- arguments
+def parse_args(argv=None):
+    on_gpu = torch.cuda.is_available()
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    # model and LoRA
+    g = p.add_argument_group("model")
+    g.add_argument("--model", default=None, help="HF hub id or local folder; default: embedded SmolLM2-135M-Instruct")
+    g.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
+    g.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
+    g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA input")
+    g.add_argument("--lora-targets", default=",".join(agentrl.DEFAULT_TARGETS), help="comma-separated linear layer names to adapt")
+    g.add_argument("--adapter", default=None, help="start from (or, with --eval-only, evaluate) this saved adapter folder")
+    # data
+    g = p.add_argument_group("data")
+    g.add_argument("--data", default="default", help="'default' (embedded), or a Spider or BIRD folder")
+    g.add_argument("--train-split", default="train", help="split to train on")
+    g.add_argument("--eval-split", default=None, help="held-out split to evaluate on (default: test, or dev for Spider/BIRD)")
+    # rollouts
+    g = p.add_argument_group("rollouts")
+    g.add_argument("--steps", type=int, default=40 if on_gpu else 6, help="optimizer steps")
+    g.add_argument("--groups-per-step", type=int, default=8 if on_gpu else 2, help="tasks per step")
+    g.add_argument("--group-size", type=int, default=8, help="trajectories per task (the N of GRPO)")
+    g.add_argument("--max-turns", type=int, default=4 if on_gpu else 3, help="assistant turns per trajectory")
+    g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 96, help="sampled tokens per turn")
+    g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    # judge and reward
+    g = p.add_argument_group("judge and reward")
+    g.add_argument("--judge", choices=["auto", "local", "http", "none"], default="auto",
+                   help="relative judge; auto = local on GPU, none on CPU (a 135M judge is noise)")
+    g.add_argument("--judge-model", default=None, help="local: HF id/folder (default: the policy's base model); http: model name")
+    g.add_argument("--judge-url", default=None, help="http: OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
+    g.add_argument("--judge-fallback", choices=["local", "none", "error"], default="error",
+                   help="what to do when the http judge endpoint is unreachable at start")
+    g.add_argument("--rubric", default=None, help="file with a rubric replacing the default one")
+    g.add_argument("--bonus", type=float, default=1.0, help="reward added for an execution-correct answer")
+    # loss and optimization
+    g = p.add_argument_group("loss and optimization")
+    g.add_argument("--lr", type=float, default=2e-4 if not on_gpu else 5e-5, help="AdamW learning rate on LoRA params")
+    g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
+    g.add_argument("--loss", choices=["token", "sequence", "constant"], default="token",
+                   help="aggregation: token = DAPO, sequence = GRPO, constant = Dr. GRPO")
+    g.add_argument("--no-std-scaling", action="store_true", help="advantages not divided by the group std (Dr. GRPO)")
+    g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 - clip_low")
+    g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1 + clip_high (DAPO clip-higher)")
+    g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the base model (LoRA off)")
+    g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
+    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward")
+    g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=on_gpu, help="trade compute for memory")
+    # evaluation and output
+    g = p.add_argument_group("evaluation and output")
+    g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after)")
+    g.add_argument("--eval-size", type=int, default=0 if on_gpu else 40, help="held-out tasks per evaluation (0: all)")
+    g.add_argument("--eval-only", action="store_true", help="evaluate --model/--adapter on --eval-split and exit")
+    g.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps")
+    g.add_argument("--out", default="runs/default", help="run folder")
+    g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
+    g.add_argument("--seed", type=int, default=0, help="seeds tasks, sampling and LoRA init")
+    args = p.parse_args(argv)
+
+    positive = ["steps", "groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r"]
+    for name in positive:
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if args.group_size < 2 and not args.eval_only:
+        p.error("--group-size must be >= 2: GRPO compares trajectories within a group")
+    if not 0 < args.temperature <= 10 or not 0 < args.top_p <= 1:
+        p.error("--temperature must be in (0, 10] and --top-p in (0, 1]")
+    if args.data != "default" and not os.path.isdir(args.data):
+        p.error(f"--data {args.data!r}: no such folder (expected 'default' or a Spider/BIRD folder)")
+    if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
+        p.error(f"--adapter {args.adapter!r}: no adapter_config.json there")
+    if args.rubric and not os.path.isfile(args.rubric):
+        p.error(f"--rubric {args.rubric!r}: no such file")
+    if args.eval_split is None:
+        args.eval_split = "test" if args.data == "default" else "dev"
+    return args
+
+
+# ----------------------------------------------------------------------------- atomic files
+def write_atomic(path, write_fn, mode="w"):
+    """Write through a temp file in the same folder, then rename: readers see old or new, never half."""
+    folder = os.path.dirname(os.path.abspath(path))
+    os.makedirs(folder, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_")
+    try:
+        with os.fdopen(fd, mode) as f:
+            write_fn(f)
+        os.replace(tmp, path)
+    except BaseException:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+        raise
+
+
+def append_jsonl(path, record):
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def save_checkpoint(run_dir, model, optimizer, step, tier_stats):
+    """adapter (PEFT layout) + optimizer + RNG + step into checkpoints/step_XXXX, then point `latest` at it."""
+    final = os.path.join(run_dir, "checkpoints", f"step_{step:04d}")
+    tmp = final + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    agentrl.save_adapter(model, tmp)
+    state = {"step": step, "optimizer": optimizer.state_dict(), "tier_stats": tier_stats,
+             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    shutil.rmtree(final, ignore_errors=True)
+    os.replace(tmp, final)
+    write_atomic(os.path.join(run_dir, "checkpoints", "latest"), lambda f: f.write(os.path.basename(final)))
+    return final
+
+
+def load_checkpoint(run_dir, model, optimizer):
+    latest = os.path.join(run_dir, "checkpoints", "latest")
+    if not os.path.isfile(latest):
+        raise SystemExit(f"--resume: no checkpoint in {run_dir} (expected {latest}); start without --resume")
+    folder = os.path.join(run_dir, "checkpoints", open(latest).read().strip())
+    agentrl.load_adapter(model, folder)
+    state = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
+    optimizer.load_state_dict(state["optimizer"])
+    torch.set_rng_state(state["rng"]["torch"])
+    random.setstate(state["rng"]["python"])
+    return state["step"], state["tier_stats"], folder
+
+
+def truncate_metrics(path, last_step):
+    """On resume, drop records of steps after the checkpoint: they are about to be redone."""
+    if not os.path.isfile(path):
+        return
+    with open(path) as f:
+        kept = [line for line in f if json.loads(line).get("step", 0) <= last_step]
+    write_atomic(path, lambda f: f.writelines(kept))
+
+
+# ----------------------------------------------------------------------------- task sampling
+def sample_tasks(tasks_by_tier, tier_stats, k, rng):
+    """Pick k tasks; a tier's weight is p(1-p) of its running success rate, plus a floor.
+
+    A tier the agent always or never solves yields all-equal groups (zero advantage, no gradient),
+    so the weight peaks at p = 0.5 where a group of N is most likely to be mixed.
+    """
+    tiers = sorted(tasks_by_tier)
+    weights = []
+    for tier in tiers:
+        p = tier_stats.get(tier, 0.5)
+        weights.append(p * (1 - p) + 0.05)
+    chosen = rng.choices(tiers, weights=weights, k=k)
+    return [rng.choice(tasks_by_tier[tier]) for tier in chosen]
+
+
+def update_tier_stats(tier_stats, groups, momentum=0.7):
+    for group in groups:
+        tier = group.task.difficulty
+        accuracy = sum(t.correct for t in group.trajectories) / len(group.trajectories)
+        tier_stats[tier] = momentum * tier_stats.get(tier, 0.5) + (1 - momentum) * accuracy
+
+
+# ----------------------------------------------------------------------------- evaluation
+def evaluate(model, tokenizer, tasks, limits, batch_groups=8):
+    """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors."""
+    greedy = agentrl.Sampling(greedy=True)
+    trajectories = []
+    for i in range(0, len(tasks), batch_groups):
+        groups = agentrl.rollout_groups(model, tokenizer, tasks[i:i + batch_groups], 1, greedy, limits)
+        trajectories += [g.trajectories[0] for g in groups]
+    by_tier = {}
+    for task, t in zip(tasks, trajectories):
+        by_tier.setdefault(task.difficulty, []).append(t.correct)
+    calls = sum(t.num_tool_calls for t in trajectories)
+    return {
+        "eval_accuracy": sum(t.correct for t in trajectories) / len(trajectories),
+        "eval_accuracy_by_tier": {tier: sum(v) / len(v) for tier, v in sorted(by_tier.items())},
+        "eval_mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
+        "eval_tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(calls, 1),
+        "eval_tasks": len(trajectories),
+    }
+
+
+def format_eval(metrics):
+    tiers = " ".join(f"{tier}={acc:.2f}" for tier, acc in metrics["eval_accuracy_by_tier"].items())
+    return (f"accuracy={metrics['eval_accuracy']:.3f} ({metrics['eval_tasks']} tasks) | {tiers} | "
+            f"turns={metrics['eval_mean_turns']:.2f} | tool_error_rate={metrics['eval_tool_error_rate']:.2f}")
+
+
+# ----------------------------------------------------------------------------- judge
+def make_judge(args, model, tokenizer, device):
+    """Return a judge backend, or None for `--judge none` (rewards = correctness bonus alone)."""
+    kind = args.judge
+    if kind == "auto":
+        kind = "local" if device.type == "cuda" else "none"
+    if kind == "http":
+        backend = judge_lib.HTTPBackend(base_url=args.judge_url, model=args.judge_model)
+        problem = backend.check()
+        if problem is None:
+            return backend
+        if args.judge_fallback == "error":
+            raise SystemExit(f"judge endpoint unreachable: {problem}\n"
+                             f"fix --judge-url, or pass --judge-fallback local (or none) to train without it")
+        print(f"judge endpoint unreachable ({problem}); falling back to --judge {args.judge_fallback}")
+        kind = args.judge_fallback
+    if kind == "local":
+        if args.judge_model:
+            judge_model, judge_tokenizer = agentrl.load_model(args.judge_model, device=device)
+            return judge_lib.LocalBackend(judge_model, judge_tokenizer)
+        return judge_lib.LocalBackend(model, tokenizer)  # the policy's base model, LoRA switched off
+    return None
+
+
+# ----------------------------------------------------------------------------- plot
+def plot_run(run_dir):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    train = [r for r in records if "reward_mean" in r]
+    evals = [r for r in records if "eval_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean)")
+    ax.plot([r["step"] for r in train], [r["train_accuracy"] for r in train], label="train accuracy")
+    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    write_atomic(os.path.join(run_dir, "progress.png"), lambda f: fig.savefig(f, format="png"), mode="wb")
+    plt.close(fig)
+
+
+# ----------------------------------------------------------------------------- main loop
+def trajectory_record(step, group, traj, reward, result, index):
+    return {"step": step, "task_id": group.task.id, "difficulty": group.task.difficulty,
+            "question": group.task.question, "gold_sql": group.task.gold_sql,
+            "submitted_sql": traj.submitted_sql, "correct": traj.correct, "reward": reward,
+            "judge_score": result.scores[index] if result.scores else None,
+            "judge_explanation": result.explanations[index] if result.explanations else "",
+            "stop_reason": traj.stop_reason, "messages": traj.messages}
+
+
+def run(args):
+    # 0) setup: seed, device, run folder, the whole config logged once
+    torch.manual_seed(args.seed)
+    random.seed(args.seed)
+    os.makedirs(os.path.join(args.out, "trajectories"), exist_ok=True)
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    print("config: " + " | ".join(f"{k}={v}" for k, v in vars(args).items()))
+
+    # 1) model + LoRA; only the adapter's parameters train
+    model, tokenizer = agentrl.load_model(args.model)
+    device = next(model.parameters()).device
+    agentrl.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                       targets=tuple(args.lora_targets.split(",")))
+    if args.adapter:
+        agentrl.load_adapter(model, args.adapter)
+    params = agentrl.lora_parameters(model)
+    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+
+    # 2) data: train tasks grouped by tier, a fixed held-out subset for evaluation
+    eval_tasks = sql_env.load_tasks(args.data, args.eval_split)
+    if args.eval_size:
+        eval_tasks = random.Random(args.seed).sample(eval_tasks, min(args.eval_size, len(eval_tasks)))
+    limits = agentrl.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
+    if args.eval_only:
+        metrics = evaluate(model, tokenizer, eval_tasks, limits)
+        print(f"eval on {args.data}/{args.eval_split}: {format_eval(metrics)}")
+        return metrics
+    tasks_by_tier = {}
+    for task in sql_env.load_tasks(args.data, args.train_split):
+        tasks_by_tier.setdefault(task.difficulty, []).append(task)
+    judge_backend = make_judge(args, model, tokenizer, device)
+    rubric = open(args.rubric).read() if args.rubric else judge_lib.DEFAULT_RUBRIC
+    config = grpo.GRPOConfig(micro_batch_size=args.micro_batch_size, clip_low=args.clip_low, clip_high=args.clip_high,
+                             aggregation=args.loss, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
+                             gradient_checkpointing=args.grad_checkpointing,
+                             max_tokens=args.max_turns * args.max_new_tokens)  # Dr. GRPO's constant: the generation budget
+
+    # 3) resume, or evaluate the starting point
+    start_step, tier_stats = 0, {}
+    if args.resume:
+        start_step, tier_stats, folder = load_checkpoint(args.out, model, optimizer)
+        truncate_metrics(metrics_path, start_step)
+        print(f"resumed from {folder} at step {start_step}")
+    else:
+        write_atomic(metrics_path, lambda f: None)
+        write_atomic(os.path.join(args.out, "config.json"), lambda f: json.dump(vars(args), f, indent=2))
+        metrics = evaluate(model, tokenizer, eval_tasks, limits)
+        append_jsonl(metrics_path, {"step": 0, **metrics})
+        print(f"eval step 0: {format_eval(metrics)}")
+
+    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        step_seed = args.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
+        # 1) sample tasks, 2) rollouts
+        tasks = sample_tasks(tasks_by_tier, tier_stats, args.groups_per_step, random.Random(step_seed))
+        sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=step_seed)
+        groups = agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
+        t_rollout = time.time() - t0
+
+        # 3) reward = judge score + bonus * correct; a group the judge cannot score keeps its bonus rewards
+        rewards, results, judge_failed = [], [], 0
+        for group in groups:
+            correct = [float(t.correct) for t in group.trajectories]
+            if judge_backend is None:
+                result = judge_lib.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, clamped=0, error="no judge")
+            else:
+                result = judge_lib.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
+                                               cache_dir=os.path.join(args.out, "judge_cache"))
+                judge_failed += not result.scored
+            scores = result.scores if result.scored else [0.0] * len(correct)
+            rewards.append([score + args.bonus * c for score, c in zip(scores, correct)])
+            results.append(result)
+        t_judge = time.time() - t0 - t_rollout
+
+        # 4) advantages: normalized within each group; all-equal groups come back as None
+        advantages, group_counts = grpo.group_advantages(rewards, scale_by_std=not args.no_std_scaling)
+        batch, batch_advantages = [], []
+        for group, adv in zip(groups, advantages):
+            if adv is not None:
+                batch += group.trajectories
+                batch_advantages += adv
+
+        # 5) update (skipped when no group carries signal)
+        if batch:
+            reference = agentrl.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
+            stats = grpo.grpo_step(model, optimizer, batch, batch_advantages, config, reference_context=reference)
+        else:
+            stats = {"skipped": True, "skip_reason": "no trainable group"}
+        update_tier_stats(tier_stats, groups)
+
+        # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
+        all_trajs = [t for g in groups for t in g.trajectories]
+        flat_rewards = [r for rs in rewards for r in rs]
+        record = {
+            "step": step,
+            "reward_mean": sum(flat_rewards) / len(flat_rewards),
+            "train_accuracy": sum(t.correct for t in all_trajs) / len(all_trajs),
+            "trainable_groups": group_counts["trainable_groups"],
+            "zero_variance_groups": group_counts["zero_variance_groups"],
+            "submitted_groups": len(groups),
+            "judge_failed_groups": judge_failed,
+            "mean_turns": sum(t.num_turns for t in all_trajs) / len(all_trajs),
+            "tool_error_rate": sum(t.num_tool_errors for t in all_trajs) / max(1, sum(t.num_tool_calls for t in all_trajs)),
+            "gen_tokens": sum(sum(t.assistant_mask) for t in all_trajs),
+            "time_rollout": t_rollout, "time_judge": t_judge, "time_step": time.time() - t0,
+            **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
+        }
+        append_jsonl(metrics_path, record)
+        write_atomic(os.path.join(args.out, "trajectories", f"step_{step:04d}.jsonl"), lambda f: f.writelines(
+            json.dumps(trajectory_record(step, g, t, rewards[gi][ti], results[gi], ti)) + "\n"
+            for gi, g in enumerate(groups) for ti, t in enumerate(g.trajectories)))
+        if stats.get("skipped"):
+            tqdm.write(f"step {step}: update skipped ({stats.get('skip_reason', 'unknown')})")
+        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}", s=f"{record['time_step']:.0f}")
+        tqdm.write(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+
+        # 7) evaluate and checkpoint
+        if args.eval_every and step % args.eval_every == 0 and step != args.steps:
+            metrics = evaluate(model, tokenizer, eval_tasks, limits)
+            append_jsonl(metrics_path, {"step": step, **metrics})
+            tqdm.write(f"eval step {step}: {format_eval(metrics)}")
+        if step % args.checkpoint_every == 0 or step == args.steps:
+            save_checkpoint(args.out, model, optimizer, step, tier_stats)
+        plot_run(args.out)
+    bar.close()
+
+    # the end: final evaluation, the adapter where a user can find it, a summary
+    metrics = evaluate(model, tokenizer, eval_tasks, limits)
+    append_jsonl(metrics_path, {"step": args.steps, **metrics})
+    final_dir = os.path.join(args.out, "final")
+    agentrl.save_adapter(model, final_dir)
+    plot_run(args.out)
+    records = [json.loads(line) for line in open(metrics_path)]
+    evals = [r for r in records if "eval_accuracy" in r]
+    print("\n" + "=" * 72)
+    print(f"held-out accuracy: {evals[0]['eval_accuracy']:.3f} before -> {evals[-1]['eval_accuracy']:.3f} after "
+          f"({evals[-1]['eval_tasks']} tasks, greedy)")
+    print(f"final eval: {format_eval(metrics)}")
+    print(f"adapter:    {final_dir}  (PEFT layout)")
+    print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}")
+    print(f"evaluate:   python train.py --eval-only --adapter {final_dir}" + (f" --model {args.model}" if args.model else ""))
+    return metrics
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    try:
+        return run(args)
+    except OSError as e:
+        if e.errno == errno.ENOSPC:
+            raise SystemExit(f"disk full while writing to {args.out!r}: free space and rerun with --resume "
+                             f"(the last complete checkpoint is intact)") from e
+        raise
+
+
+if __name__ == "__main__":
+    main()
