@@ -100,17 +100,43 @@ def embedded_model_dir() -> str:
     return str(folder)
 
 
+@dataclass(frozen=True)
+class Precision:
+    """How a device runs the model; see precision_for."""
+    weight_dtype: torch.dtype          # the frozen base weights (LoRA parameters are always fp32)
+    amp_dtype: torch.dtype | None      # autocast dtype for the update (grpo.GRPOConfig.amp_dtype); None: off
+    use_grad_scaler: bool              # fp16 only: scale the loss so small gradients survive fp16's range
+
+
+def precision_for(device_type: str, capability: tuple[int, int] | None = None) -> Precision:
+    """The precision policy, a pure function of the device, so it is testable without one.
+
+    CPU: fp32, no autocast (half precision is slow on CPUs and buys nothing here).
+    CUDA with compute capability >= 8.0 (Ampere, Hopper): bf16 weights and autocast; bf16 has
+        fp32's exponent range, so gradients cannot underflow and no loss scaling is needed.
+    Older CUDA (a T4 is 7.5: no bf16): fp16 frozen weights and autocast, plus a GradScaler, since
+        fp16 flushes gradients below ~6e-8 to zero. fp16 tops out at 65504 and Qwen2 was trained
+        in bf16, so activations can overflow: grpo_step skips a step whose loss or gradient is
+        not finite, and says so.
+    Under autocast the LoRA matmuls run in the autocast dtype too, but their parameters, gradients
+    and AdamW state stay fp32 (LoRALinear): an fp16 master weight would round small updates away."""
+    if device_type != "cuda":
+        return Precision(torch.float32, None, False)
+    assert capability is not None, "a CUDA device needs its compute capability, e.g. (7, 5) for a T4"
+    if capability >= (8, 0):
+        return Precision(torch.bfloat16, torch.bfloat16, False)
+    return Precision(torch.float16, torch.float16, True)
+
+
 def load_model(name_or_path=None, device=None, dtype=None):
     """(model, tokenizer) for a hub id, a local folder, or (None) the embedded default.
 
-    CUDA when present, else CPU. Precision: fp32 on CPU, bf16 on Ampere or newer, fp16 frozen
-    weights on older GPUs (LoRA parameters are always fp32; see LoRALinear)."""
+    CUDA when present, else CPU; weights in the dtype precision_for picks for the device unless
+    `dtype` is given."""
     device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
     if dtype is None:
-        if device.type != "cuda":
-            dtype = torch.float32
-        else:
-            dtype = torch.bfloat16 if torch.cuda.get_device_capability(device)[0] >= 8 else torch.float16
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        dtype = precision_for(device.type, capability).weight_dtype
     path = name_or_path or embedded_model_dir()
     tokenizer = AutoTokenizer.from_pretrained(path)
     assert tokenizer.chat_template, f"{path} has no chat template: the agent needs a chat model"
@@ -573,6 +599,41 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                                row.num_turns, row.num_tool_calls,
                                row.num_parse_errors + row.env.num_tool_errors) for row in rows]
     return [TrajectoryGroup(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
+
+
+def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) -> Trajectory:
+    """The trajectory a rollout records when the model emits exactly `turns` (one text per
+    assistant turn, each ending in </tool_call>), built with the tokenizer alone: the same
+    prompt, the same appended tool tokens and masks as rollout_groups(forced_turns=[turns]),
+    with no forward pass. sampled_logprobs are 0.0 (unknown without the model). For SFT."""
+    chat, env = _Chat(tokenizer), (make_env or SQLEnv)(task)
+    messages = build_messages(task, env.tools, inline_tools=not template_takes_tools(tokenizer))
+    prompt = chat.encode(render(tokenizer, messages, env.tools, add_generation_prompt=True))
+    row = _Row(task, env, env.tools, messages, list(prompt), [0] * len(prompt), [0.0] * len(prompt), [],
+               turn_start=len(prompt), text_len=len(chat.decode(prompt)))
+    for text in turns:
+        assert not row.stop_reason, f"turn {text!r} comes after the episode ended ({row.stop_reason})"
+        ids = chat.encode(text)
+        assert len(ids) < limits.max_new_tokens, f"turn of {len(ids)} tokens exceeds max_new_tokens"
+        row.token_ids += ids
+        row.mask += [1] * len(ids)
+        row.logprobs += [0.0] * len(ids)
+        _end_turn(row, limits, chat, truncated=None)
+        row.pending = []            # the engine would feed these; here they are already in token_ids
+    if not row.stop_reason:
+        _finish(row, "max_turns", chat)
+    return Trajectory(task.id, row.messages, row.token_ids, row.mask, row.logprobs, env.submitted_sql,
+                      bool(env.correct), row.stop_reason, row.num_turns, row.num_tool_calls,
+                      row.num_parse_errors + env.num_tool_errors)
+
+
+def gold_turns(task) -> list[str]:
+    """The demonstration an SFT warm start imitates: look at the schema, run the gold query,
+    see its result, submit it."""
+    def call(name, arguments):
+        return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+    return [call("list_tables", {}), call("run_sql", {"query": task.gold_sql}),
+            call("submit_answer", {"query": task.gold_sql})]
 
 
 def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool = False):

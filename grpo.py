@@ -305,3 +305,42 @@ def grpo_step(model, optimizer, trajectories, advantages, config, reference_cont
     finally:
         optimizer.zero_grad(set_to_none=True)  # a skipped step leaves no stale gradient behind
         model.train(was_training)
+
+
+# ---------------------------------------------------------------- 5) supervised warm start
+def sft_step(model, optimizer, trajectories, config):
+    """One supervised step: maximize log p of the assistant tokens of demonstration trajectories.
+
+    The same tokens, masks, chunked log-probs and LoRA as the RL step, so a warm start teaches
+    exactly the format rollouts produce. Loss = -(sum of masked log-probs) / (trained tokens of
+    the whole step), so micro-batches accumulate to the full-batch gradient. Returns stats.
+    """
+    device = next(model.parameters()).device
+    num_tokens = sum(sum(t.assistant_mask) for t in trajectories)
+    assert num_tokens > 0, "SFT needs trajectories with trained (assistant) tokens"
+    order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
+    mbs = config.micro_batch_size
+    was_training = model.training
+    model.train()
+    set_gradient_checkpointing(model, config.gradient_checkpointing)
+    optimizer.zero_grad(set_to_none=True)
+    total = 0.0
+    try:
+        for s in range(0, len(order), mbs):
+            chunk = [trajectories[i] for i in order[s:s + mbs]]
+            b = _collate(chunk, [0.0] * len(chunk), device)
+            logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size)  # (B, T)
+            loss = -(logprobs * b["mask"]).sum() / num_tokens
+            if not torch.isfinite(loss):
+                return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
+            loss.backward()
+            total += loss.item()
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
+        if not torch.isfinite(grad_norm):
+            return {"sft_loss": total, "skipped": True, "skip_reason": "non-finite gradient norm"}
+        optimizer.step()
+        return {"sft_loss": total, "grad_norm": grad_norm.item(), "tokens": num_tokens, "skipped": False}
+    finally:
+        optimizer.zero_grad(set_to_none=True)
+        model.train(was_training)

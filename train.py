@@ -63,11 +63,11 @@ def parse_args(argv=None):
     g.add_argument("--eval-split", default=None, help="held-out split to evaluate on (default: test, or dev for Spider/BIRD)")
     # rollouts
     g = p.add_argument_group("rollouts")
-    g.add_argument("--steps", type=int, default=40 if on_gpu else 6, help="optimizer steps")
+    g.add_argument("--steps", type=int, default=40 if on_gpu else 4, help="GRPO optimizer steps")
     g.add_argument("--groups-per-step", type=int, default=8 if on_gpu else 2, help="tasks per step")
     g.add_argument("--group-size", type=int, default=8, help="trajectories per task (the N of GRPO)")
-    g.add_argument("--max-turns", type=int, default=4 if on_gpu else 3, help="assistant turns per trajectory")
-    g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 96, help="sampled tokens per turn")
+    g.add_argument("--max-turns", type=int, default=4, help="assistant turns per trajectory")
+    g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 128, help="sampled tokens per turn")
     g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
@@ -81,6 +81,12 @@ def parse_args(argv=None):
                    help="what to do when the http judge endpoint is unreachable at start")
     g.add_argument("--rubric", default=None, help="file with a rubric replacing the default one")
     g.add_argument("--bonus", type=float, default=1.0, help="reward added for an execution-correct answer")
+    # supervised warm start (before GRPO)
+    g = p.add_argument_group("supervised warm start")
+    g.add_argument("--sft-steps", type=int, default=0 if on_gpu else 16,
+                   help="SFT steps on gold demonstrations (list_tables, run the gold query, submit it) before RL; 0: none")
+    g.add_argument("--sft-batch-size", type=int, default=4, help="demonstrations per SFT step")
+    g.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     # loss and optimization
     g = p.add_argument_group("loss and optimization")
     g.add_argument("--lr", type=float, default=2e-4 if not on_gpu else 5e-5, help="AdamW learning rate on LoRA params")
@@ -97,7 +103,7 @@ def parse_args(argv=None):
     # evaluation and output
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after)")
-    g.add_argument("--eval-size", type=int, default=0 if on_gpu else 40, help="held-out tasks per evaluation (0: all)")
+    g.add_argument("--eval-size", type=int, default=0 if on_gpu else 32, help="held-out tasks per evaluation (0: all)")
     g.add_argument("--eval-only", action="store_true", help="evaluate --model/--adapter on --eval-split and exit")
     g.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps")
     g.add_argument("--out", default="runs/default", help="run folder")
@@ -105,6 +111,10 @@ def parse_args(argv=None):
     g.add_argument("--seed", type=int, default=0, help="seeds tasks, sampling and LoRA init")
     args = p.parse_args(argv)
 
+    if args.sft_steps < 0 or args.sft_batch_size < 1:
+        p.error("--sft-steps must be >= 0 and --sft-batch-size >= 1")
+    if args.sft_steps and args.max_turns < 3:
+        p.error("--sft-steps: the gold demonstrations take 3 turns (schema, query, submit); use --max-turns >= 3")
     positive = ["steps", "groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r"]
     for name in positive:
         if getattr(args, name) < 1:
@@ -205,8 +215,36 @@ def update_tier_stats(tier_stats, groups, momentum=0.7):
         tier_stats[tier] = momentum * tier_stats.get(tier, 0.5) + (1 - momentum) * accuracy
 
 
+# ----------------------------------------------------------------------------- warm start
+def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path):
+    """Supervised fine-tuning on gold demonstrations, built exactly as a rollout would record them.
+
+    A 135M model almost never solves a task from scratch, and GRPO learns nothing from groups
+    that are all wrong; a few SFT steps teach the tool protocol so that groups come out mixed.
+    Demonstrations whose turns do not fit --max-new-tokens are left out, and counted.
+    """
+    def fits(task):
+        return all(len(tokenizer(turn, add_special_tokens=False).input_ids) < limits.max_new_tokens
+                   for turn in agentrl.gold_turns(task))
+    demo_tasks = [task for task in train_tasks if fits(task)]
+    if not demo_tasks:
+        raise SystemExit(f"--sft-steps: no gold demonstration fits --max-new-tokens {limits.max_new_tokens}; raise it")
+    print(f"sft: {len(demo_tasks)} demonstrations ({len(train_tasks) - len(demo_tasks)} left out: a turn exceeds --max-new-tokens)")
+    optimizer = torch.optim.AdamW(agentrl.lora_parameters(model), lr=args.sft_lr, weight_decay=args.weight_decay)
+    rng = random.Random(args.seed + 1)
+    for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True):
+        batch = [agentrl.scripted_trajectory(tokenizer, task, agentrl.gold_turns(task), limits)
+                 for task in rng.sample(demo_tasks, min(args.sft_batch_size, len(demo_tasks)))]
+        stats = grpo.sft_step(model, optimizer, batch, config)
+        append_jsonl(metrics_path, {"sft_step": step, **stats})
+        if step % 4 == 0 or step == args.sft_steps:
+            tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
+                                                         for k, v in stats.items()))
+    agentrl.save_adapter(model, os.path.join(args.out, "sft"))
+
+
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(model, tokenizer, tasks, limits, batch_groups=8):
+def evaluate(model, tokenizer, tasks, limits, batch_groups=16):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors."""
     greedy = agentrl.Sampling(greedy=True)
     trajectories = []
@@ -314,8 +352,9 @@ def run(args):
         metrics = evaluate(model, tokenizer, eval_tasks, limits)
         print(f"eval on {args.data}/{args.eval_split}: {format_eval(metrics)}")
         return metrics
+    train_tasks = sql_env.load_tasks(args.data, args.train_split)
     tasks_by_tier = {}
-    for task in sql_env.load_tasks(args.data, args.train_split):
+    for task in train_tasks:
         tasks_by_tier.setdefault(task.difficulty, []).append(task)
     judge_backend = make_judge(args, model, tokenizer, device)
     rubric = open(args.rubric).read() if args.rubric else judge_lib.DEFAULT_RUBRIC
@@ -324,7 +363,7 @@ def run(args):
                              gradient_checkpointing=args.grad_checkpointing,
                              max_tokens=args.max_turns * args.max_new_tokens)  # Dr. GRPO's constant: the generation budget
 
-    # 3) resume, or evaluate the starting point
+    # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0)
     start_step, tier_stats = 0, {}
     if args.resume:
         start_step, tier_stats, folder = load_checkpoint(args.out, model, optimizer)
@@ -334,8 +373,14 @@ def run(args):
         write_atomic(metrics_path, lambda f: None)
         write_atomic(os.path.join(args.out, "config.json"), lambda f: json.dump(vars(args), f, indent=2))
         metrics = evaluate(model, tokenizer, eval_tasks, limits)
-        append_jsonl(metrics_path, {"step": 0, **metrics})
-        print(f"eval step 0: {format_eval(metrics)}")
+        append_jsonl(metrics_path, {"step": 0, "phase": "base", **metrics})
+        print(f"eval step 0 (base model): {format_eval(metrics)}")
+        if args.sft_steps:
+            warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path)
+            metrics = evaluate(model, tokenizer, eval_tasks, limits)
+            append_jsonl(metrics_path, {"step": 0, "phase": "sft", **metrics})
+            print(f"eval step 0 (after {args.sft_steps} SFT steps): {format_eval(metrics)}")
+        save_checkpoint(args.out, model, optimizer, 0, tier_stats)
 
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
     for step in bar:
@@ -423,8 +468,9 @@ def run(args):
     records = [json.loads(line) for line in open(metrics_path)]
     evals = [r for r in records if "eval_accuracy" in r]
     print("\n" + "=" * 72)
-    print(f"held-out accuracy: {evals[0]['eval_accuracy']:.3f} before -> {evals[-1]['eval_accuracy']:.3f} after "
-          f"({evals[-1]['eval_tasks']} tasks, greedy)")
+    labels = [r.get("phase") or f"step {r['step']}" for r in evals]
+    path = " -> ".join(f"{r['eval_accuracy']:.3f} ({label})" for r, label in zip(evals, labels))
+    print(f"held-out accuracy: {path}   ({evals[-1]['eval_tasks']} tasks, greedy)")
     print(f"final eval: {format_eval(metrics)}")
     print(f"adapter:    {final_dir}  (PEFT layout)")
     print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}")

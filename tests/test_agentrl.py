@@ -353,3 +353,23 @@ def test_real_environment_round_trip(tiny_llama, smol_tokenizer):
     assert good.stop_reason == bad.stop_reason == "submitted"
     assert good.correct and good.submitted_sql == task.gold_sql and good.num_turns == 2 and not bad.correct
     assert good.messages[-3]["role"] == "tool" and "Error" not in good.messages[-3]["content"]
+
+
+@pytest.mark.parametrize("kind,tok", [("llama", "smol_tokenizer"), ("qwen2", "qwen_tokenizer")])
+def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, tiny_model_factory, request):
+    """SFT demonstrations must carry exactly the tokens and masks a rollout of the same actions
+    records, or the warm start teaches a format the policy never sees while sampling."""
+    import sql_env
+    tokenizer = request.getfixturevalue(tok)
+    tasks = sql_env.load_tasks()[:2]
+    limits = agentrl.Limits(max_turns=4, max_new_tokens=160)
+    turns = [agentrl.gold_turns(task) for task in tasks]
+    groups = agentrl.rollout_groups(tiny_model_factory(kind), tokenizer, tasks, 1, agentrl.Sampling(seed=0), limits,
+                                    forced_turns=turns)
+    for task, task_turns, group in zip(tasks, turns, groups):
+        rolled = group.trajectories[0]
+        scripted = agentrl.scripted_trajectory(tokenizer, task, task_turns, limits)
+        assert scripted.token_ids == rolled.token_ids
+        assert scripted.assistant_mask == rolled.assistant_mask
+        assert scripted.messages == rolled.messages
+        assert scripted.correct and rolled.correct and scripted.stop_reason == "submitted" and scripted.num_turns == 3

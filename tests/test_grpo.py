@@ -276,3 +276,17 @@ def test_stats_are_reported_and_model_mode_restored():
         assert math.isfinite(stats[key]), key
     assert stats["entropy"] > 0 and not model.training and stats["tokens"] == sum(
         sum(t.assistant_mask) for t in trajectories(6))
+
+
+def test_sft_steps_lower_the_loss_on_the_demonstrations():
+    """The warm start must fit its demonstrations: the masked NLL falls over a few steps, and
+    only LoRA parameters move."""
+    model, params = tiny_model()
+    frozen = {n: p.detach().clone() for n, p in model.named_parameters() if not p.requires_grad}
+    demos = trajectories(n=4)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    config = grpo.GRPOConfig(micro_batch_size=2)
+    losses = [grpo.sft_step(model, optimizer, demos, config)["sft_loss"] for _ in range(8)]
+    assert all(b < a for a, b in zip(losses, losses[1:])), f"the loss must fall at every step: {losses}"
+    assert losses[-1] < 0.99 * losses[0], losses
+    assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)

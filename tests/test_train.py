@@ -40,7 +40,7 @@ def tiny_model_dir(tmp_path_factory, smol_tokenizer):
 def tiny_args(model_dir, out, *extra):
     return ["--model", model_dir, "--out", str(out), "--groups-per-step", "2", "--group-size", "3",
             "--max-turns", "2", "--max-new-tokens", "12", "--max-context", "1024", "--eval-size", "2",
-            "--micro-batch-size", "2", "--lr", "1e-2", "--seed", "3", *extra]
+            "--micro-batch-size", "2", "--lr", "1e-2", "--seed", "3", "--sft-steps", "0", *extra]
 
 
 def adapter_tensors(folder):
@@ -100,6 +100,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--temperature", "0"], "temperature"),
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
+    (["--sft-steps", "4", "--max-turns", "2"], "max-turns"),
 ])
 def test_bad_arguments_fail_fast(argv, message, capsys):
     """Bad flags stop before any model is loaded, with a message naming the flag."""
@@ -126,3 +127,24 @@ def test_task_sampling_prefers_mixed_tiers():
     stats = {"easy": 1.0, "medium": 0.5, "hard": 0.0}
     picks = train.sample_tasks(tasks, stats, 2000, random.Random(0))
     assert picks.count("m") > 3 * picks.count("e") and picks.count("m") > 3 * picks.count("h")
+
+
+def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
+    """--sft-steps trains on gold demonstrations first, saves them as their own adapter and as the
+    step-0 checkpoint (so RL, and a resume, start from it), and evaluates before and after."""
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--sft-steps", "2", "--sft-batch-size", "2",
+                         "--max-new-tokens", "130", "--max-turns", "3"))
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    assert [r["sft_step"] for r in records if "sft_step" in r] == [1, 2]
+    assert all(r["sft_loss"] > 0 and not r["skipped"] for r in records if "sft_step" in r)
+    assert [r.get("phase") for r in records if "eval_accuracy" in r] == ["base", "sft", None]
+    sft_b = [v for k, v in adapter_tensors(out / "sft").items() if "lora_B" in k]
+    assert any(v.abs().max() > 0 for v in sft_b), "SFT must move the adapter"
+    assert (out / "checkpoints" / "step_0000" / "adapter_model.safetensors").exists()
+
+
+def test_warm_start_with_no_fitting_demonstration_is_a_clear_error(tiny_model_dir, tmp_path):
+    """Demonstrations longer than --max-new-tokens cannot be imitated: say so instead of looping."""
+    with pytest.raises(SystemExit, match="no gold demonstration fits"):
+        train.main(tiny_args(tiny_model_dir, tmp_path / "r", "--sft-steps", "1", "--max-turns", "3", "--judge", "none"))
