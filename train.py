@@ -155,13 +155,14 @@ def append_jsonl(path, record):
         f.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(run_dir, model, optimizer, step, tier_stats):
+def save_checkpoint(run_dir, model, optimizer, scaler, step, tier_stats):
     """adapter (PEFT layout) + optimizer + RNG + step into checkpoints/step_XXXX, then point `latest` at it."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step:04d}")
     tmp = final + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
     agentrl.save_adapter(model, tmp)
     state = {"step": step, "optimizer": optimizer.state_dict(), "tier_stats": tier_stats,
+             "scaler": scaler.state_dict() if scaler else None,
              "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
     torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     shutil.rmtree(final, ignore_errors=True)
@@ -170,7 +171,7 @@ def save_checkpoint(run_dir, model, optimizer, step, tier_stats):
     return final
 
 
-def load_checkpoint(run_dir, model, optimizer):
+def load_checkpoint(run_dir, model, optimizer, scaler):
     latest = os.path.join(run_dir, "checkpoints", "latest")
     if not os.path.isfile(latest):
         raise SystemExit(f"--resume: no checkpoint in {run_dir} (expected {latest}); start without --resume")
@@ -178,6 +179,8 @@ def load_checkpoint(run_dir, model, optimizer):
     agentrl.load_adapter(model, folder)
     state = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
+    if scaler and state["scaler"]:
+        scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
     return state["step"], state["tier_stats"], folder
@@ -244,7 +247,7 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
 
 
 # ----------------------------------------------------------------------------- evaluation
-def evaluate(model, tokenizer, tasks, limits, batch_groups=16):
+def evaluate(model, tokenizer, tasks, limits, batch_groups=32):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors."""
     greedy = agentrl.Sampling(greedy=True)
     trajectories = []
@@ -336,6 +339,10 @@ def run(args):
     # 1) model + LoRA; only the adapter's parameters train
     model, tokenizer = agentrl.load_model(args.model)
     device = next(model.parameters()).device
+    # fp32 on CPU, bf16 on Ampere+, fp16 weights + fp32 LoRA + autocast + loss scaling on a T4
+    precision = agentrl.precision_for(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    print(f"device: {device} | {precision}")
     agentrl.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
                        targets=tuple(args.lora_targets.split(",")))
     if args.adapter:
@@ -360,13 +367,13 @@ def run(args):
     rubric = open(args.rubric).read() if args.rubric else judge_lib.DEFAULT_RUBRIC
     config = grpo.GRPOConfig(micro_batch_size=args.micro_batch_size, clip_low=args.clip_low, clip_high=args.clip_high,
                              aggregation=args.loss, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
-                             gradient_checkpointing=args.grad_checkpointing,
+                             gradient_checkpointing=args.grad_checkpointing, amp_dtype=precision.amp_dtype,
                              max_tokens=args.max_turns * args.max_new_tokens)  # Dr. GRPO's constant: the generation budget
 
     # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0)
     start_step, tier_stats = 0, {}
     if args.resume:
-        start_step, tier_stats, folder = load_checkpoint(args.out, model, optimizer)
+        start_step, tier_stats, folder = load_checkpoint(args.out, model, optimizer, scaler)
         truncate_metrics(metrics_path, start_step)
         print(f"resumed from {folder} at step {start_step}")
     else:
@@ -380,7 +387,7 @@ def run(args):
             metrics = evaluate(model, tokenizer, eval_tasks, limits)
             append_jsonl(metrics_path, {"step": 0, "phase": "sft", **metrics})
             print(f"eval step 0 (after {args.sft_steps} SFT steps): {format_eval(metrics)}")
-        save_checkpoint(args.out, model, optimizer, 0, tier_stats)
+        save_checkpoint(args.out, model, optimizer, scaler, 0, tier_stats)
 
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
     for step in bar:
@@ -418,7 +425,8 @@ def run(args):
         # 5) update (skipped when no group carries signal)
         if batch:
             reference = agentrl.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
-            stats = grpo.grpo_step(model, optimizer, batch, batch_advantages, config, reference_context=reference)
+            stats = grpo.grpo_step(model, optimizer, batch, batch_advantages, config, reference_context=reference,
+                                   scaler=scaler)
         else:
             stats = {"skipped": True, "skip_reason": "no trainable group"}
         update_tier_stats(tier_stats, groups)
@@ -455,7 +463,7 @@ def run(args):
             append_jsonl(metrics_path, {"step": step, **metrics})
             tqdm.write(f"eval step {step}: {format_eval(metrics)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
-            save_checkpoint(args.out, model, optimizer, step, tier_stats)
+            save_checkpoint(args.out, model, optimizer, scaler, step, tier_stats)
         plot_run(args.out)
     bar.close()
 
@@ -472,6 +480,9 @@ def run(args):
     path = " -> ".join(f"{r['eval_accuracy']:.3f} ({label})" for r, label in zip(evals, labels))
     print(f"held-out accuracy: {path}   ({evals[-1]['eval_tasks']} tasks, greedy)")
     print(f"final eval: {format_eval(metrics)}")
+    steps = [r for r in records if "reward_mean" in r]
+    print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
+          f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
     print(f"adapter:    {final_dir}  (PEFT layout)")
     print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}")
     print(f"evaluate:   python train.py --eval-only --adapter {final_dir}" + (f" --model {args.model}" if args.model else ""))

@@ -88,7 +88,8 @@ def test_t4_path_trains_end_to_end(qwen_tokenizer):
 def forced(smol_tokenizer):
     """bench.forced_rollout on a tiny model: 2 rows decoded to 400 tokens (the prompt is ~300)."""
     context = 400
-    trajectories, _ = bench.forced_rollout(build_tiny_model("llama"), smol_tokenizer, sql_env.load_tasks()[0], 2, context)
+    task = sql_env.load_tasks()[0]
+    trajectories, _ = bench.forced_rollout(build_tiny_model("llama"), smol_tokenizer, task, 2, context)
     return trajectories, context
 
 
