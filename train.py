@@ -5,7 +5,9 @@
     python train.py --resume --out runs/default      # continue a killed run from its last checkpoint
     python train.py --eval-only --adapter runs/default/final   # evaluate a trained adapter
 
-One step of the loop, the whole algorithm:
+Before the loop, on a fresh run: evaluate the base model, then (--sft-steps) a supervised warm
+start on gold demonstrations, evaluate again, and checkpoint it as step 0. One step of the loop,
+the whole algorithm:
 
     1) sample tasks      a few questions from the train split, weighted toward tiers the agent
                          gets right about half the time (DAPO's "dynamic sampling" in spirit:
@@ -31,6 +33,7 @@ import errno
 import json
 import os
 import random
+import re
 import shutil
 import tempfile
 import time
@@ -155,7 +158,7 @@ def append_jsonl(path, record):
         f.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(run_dir, model, optimizer, scaler, step, tier_stats):
+def save_checkpoint(run_dir, model, optimizer, scaler, step, tier_stats, keep=2):
     """adapter (PEFT layout) + optimizer + RNG + step into checkpoints/step_XXXX, then point `latest` at it."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step:04d}")
     tmp = final + ".tmp"
@@ -168,6 +171,9 @@ def save_checkpoint(run_dir, model, optimizer, scaler, step, tier_stats):
     shutil.rmtree(final, ignore_errors=True)
     os.replace(tmp, final)
     write_atomic(os.path.join(run_dir, "checkpoints", "latest"), lambda f: f.write(os.path.basename(final)))
+    finished = sorted(int(name[5:]) for name in os.listdir(os.path.dirname(final)) if re.fullmatch(r"step_\d+", name))
+    for old in finished[:-keep]:  # only the newest `keep` checkpoints stay on disk
+        shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old:04d}"), ignore_errors=True)
     return final
 
 
@@ -377,6 +383,9 @@ def run(args):
         truncate_metrics(metrics_path, start_step)
         print(f"resumed from {folder} at step {start_step}")
     else:
+        if os.path.isdir(os.path.join(args.out, "checkpoints")):
+            print(f"{args.out} holds an earlier run: starting over there (use --resume to continue it instead)")
+            shutil.rmtree(os.path.join(args.out, "checkpoints"))
         write_atomic(metrics_path, lambda f: None)
         write_atomic(os.path.join(args.out, "config.json"), lambda f: json.dump(vars(args), f, indent=2))
         metrics = evaluate(model, tokenizer, eval_tasks, limits)

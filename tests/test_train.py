@@ -148,3 +148,13 @@ def test_warm_start_with_no_fitting_demonstration_is_a_clear_error(tiny_model_di
     """Demonstrations longer than --max-new-tokens cannot be imitated: say so instead of looping."""
     with pytest.raises(SystemExit, match="no gold demonstration fits"):
         train.main(tiny_args(tiny_model_dir, tmp_path / "r", "--sft-steps", "1", "--max-turns", "3", "--judge", "none"))
+
+
+def test_only_the_newest_checkpoints_stay(tiny_model_dir, tmp_path):
+    """A long run must not fill the disk: older step folders are pruned, `latest` stays valid."""
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "3", "--judge", "none"))
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0002", "step_0003"]
+    assert (out / "checkpoints" / "latest").read_text() == "step_0003"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--judge", "none"))  # a new run in the same folder
+    assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000", "step_0001"]
