@@ -3,6 +3,7 @@
     python bench.py rollout   # our KV-cache-reusing rollout engine vs re-tokenize + generate()
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
+    python bench.py learn     # held-out accuracy: base, SFT, SFT + GRPO, and SFT for the same compute
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (CPU: an estimate)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps
 
@@ -567,16 +568,87 @@ def bench_gpu(args):
         raise SystemExit(1)
 
 
+# ---------------------------------------------------------------- learn (train.py)
+def bench_learn(args):
+    """What does GRPO add over supervised learning? Held-out split, greedy, fixed seeds, one run:
+
+        base           the embedded model
+        SFT S          S warm-start steps on gold demonstrations
+        SFT S + GRPO G then G GRPO steps (judge none: reward = correctness)
+        SFT S + X      the fair control: SFT goes on instead, for X steps taking the GRPO steps' time
+
+    Both arms are train.py runs with the same seed, so they share the base evaluation and the
+    first S SFT steps exactly (same LoRA init, same demonstrations in the same order).
+    """
+    import json
+    import os
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    import train
+
+    out = os.path.join("runs", "bench_learn")
+    common = ["--eval-size", str(args.eval_size), "--seed", str(args.seed), "--judge", "none"]
+
+    def records(arm):
+        return [json.loads(line) for line in open(os.path.join(out, arm, "metrics.jsonl"))]
+
+    train.main(common + ["--sft-steps", str(args.sft_steps), "--steps", str(args.grpo_steps),
+                         "--out", os.path.join(out, "grpo")])
+    grpo = records("grpo")
+    grpo_s = sum(r["time_step"] for r in grpo if "reward_mean" in r)
+    sft_step_s = sum(r["time_step"] for r in grpo if "sft_step" in r) / args.sft_steps
+    extra = max(1, round(grpo_s / sft_step_s))
+    train.main(common + ["--sft-steps", str(args.sft_steps + extra), "--steps", "0", "--out", os.path.join(out, "control")])
+    control = records("control")
+
+    evals = [r for r in grpo if "eval_accuracy" in r]
+    agents = [("base", evals[0]), (f"SFT {args.sft_steps}", evals[1]),
+              (f"SFT {args.sft_steps} + GRPO {args.grpo_steps}", evals[-1]),
+              (f"SFT {args.sft_steps + extra} (control)", [r for r in control if "eval_accuracy" in r][-1])]
+    tiers = list(evals[0]["eval_accuracy_by_tier"])
+    print(f"\nlearn: {evals[0]['eval_tasks']} held-out tasks, greedy | GRPO phase {grpo_s:.0f} s = {extra} SFT steps "
+          f"of {sft_step_s:.1f} s")
+    print(f"{'agent':<26}{'accuracy':>9}" + "".join(f"{t:>8}" for t in tiers) + f"{'turns':>7}{'tool err':>9}")
+    for name, r in agents:
+        print(f"{name:<26}{r['eval_accuracy']:>9.3f}" + "".join(f"{r['eval_accuracy_by_tier'][t]:>8.2f}" for t in tiers)
+              + f"{r['eval_mean_turns']:>7.2f}{r['eval_tool_error_rate']:>9.2f}")
+    gain = 100 * (agents[2][1]["eval_accuracy"] - agents[3][1]["eval_accuracy"])
+    print(f"GRPO over the SFT control: {gain:+.1f} points (target >= +5)")
+
+    fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
+    width = 0.8 / len(agents)
+    for i, (name, r) in enumerate(agents):
+        left.bar([j + i * width for j in range(len(tiers) + 1)],
+                 [r["eval_accuracy"]] + [r["eval_accuracy_by_tier"][t] for t in tiers], width, label=name)
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(tiers) + 1)], ["all"] + tiers)
+    left.set_ylabel("held-out accuracy (greedy)")
+    left.legend(fontsize=8)
+    steps = [r for r in grpo if "reward_mean" in r]
+    right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label="GRPO: train accuracy")
+    sft = [r for r in control if "sft_step" in r]
+    right.plot([r["sft_step"] for r in sft], [r["sft_loss"] for r in sft], label="SFT control: loss")
+    right.set_xlabel("step")
+    right.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(os.path.join(out, "learn.png"))
+    print(f"curves: {os.path.join(out, 'learn.png')}")
+
+
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "judge", "memory", "gpu"])
+    parser.add_argument("which", choices=["rollout", "judge", "memory", "gpu", "learn"])
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
     parser.add_argument("--adapter", default=None, help="judge: roll out the embedded model with this saved adapter")
+    parser.add_argument("--eval-size", type=int, default=64, help="learn: held-out tasks per evaluation")
+    parser.add_argument("--sft-steps", type=int, default=16, help="learn: warm-start steps before the two arms")
+    parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO steps (the control gets their time)")
     parser.add_argument("--seed", type=int, default=0)
     args = parser.parse_args()
-    {"rollout": bench_rollout, "judge": bench_judge, "memory": bench_memory, "gpu": bench_gpu}[args.which](args)
+    benches = {"rollout": bench_rollout, "judge": bench_judge, "memory": bench_memory, "gpu": bench_gpu, "learn": bench_learn}
+    benches[args.which](args)
 
 
 if __name__ == "__main__":

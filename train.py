@@ -118,7 +118,9 @@ def parse_args(argv=None):
         p.error("--sft-steps must be >= 0 and --sft-batch-size >= 1")
     if args.sft_steps and args.max_turns < 3:
         p.error("--sft-steps: the gold demonstrations take 3 turns (schema, query, submit); use --max-turns >= 3")
-    positive = ["steps", "groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r"]
+    if args.steps < 0:
+        p.error(f"--steps must be >= 0, got {args.steps}")
+    positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r"]
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -242,10 +244,11 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
     optimizer = torch.optim.AdamW(agentrl.lora_parameters(model), lr=args.sft_lr, weight_decay=args.weight_decay)
     rng = random.Random(args.seed + 1)
     for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True):
+        t0 = time.time()
         batch = [agentrl.scripted_trajectory(tokenizer, task, agentrl.gold_turns(task), limits)
                  for task in rng.sample(demo_tasks, min(args.sft_batch_size, len(demo_tasks)))]
         stats = grpo.sft_step(model, optimizer, batch, config)
-        append_jsonl(metrics_path, {"sft_step": step, **stats})
+        append_jsonl(metrics_path, {"sft_step": step, **stats, "time_step": time.time() - t0})
         if step % 4 == 0 or step == args.sft_steps:
             tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in stats.items()))
@@ -476,9 +479,10 @@ def run(args):
         plot_run(args.out)
     bar.close()
 
-    # the end: final evaluation, the adapter where a user can find it, a summary
-    metrics = evaluate(model, tokenizer, eval_tasks, limits)
-    append_jsonl(metrics_path, {"step": args.steps, **metrics})
+    # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
+    if start_step < args.steps:
+        metrics = evaluate(model, tokenizer, eval_tasks, limits)
+        append_jsonl(metrics_path, {"step": args.steps, **metrics})
     final_dir = os.path.join(args.out, "final")
     agentrl.save_adapter(model, final_dir)
     plot_run(args.out)
@@ -488,14 +492,14 @@ def run(args):
     labels = [r.get("phase") or f"step {r['step']}" for r in evals]
     path = " -> ".join(f"{r['eval_accuracy']:.3f} ({label})" for r, label in zip(evals, labels))
     print(f"held-out accuracy: {path}   ({evals[-1]['eval_tasks']} tasks, greedy)")
-    print(f"final eval: {format_eval(metrics)}")
+    print(f"final eval: {format_eval(evals[-1])}")
     steps = [r for r in records if "reward_mean" in r]
     print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
           f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
     print(f"adapter:    {final_dir}  (PEFT layout)")
     print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}")
     print(f"evaluate:   python train.py --eval-only --adapter {final_dir}" + (f" --model {args.model}" if args.model else ""))
-    return metrics
+    return evals[-1]
 
 
 def main(argv=None):

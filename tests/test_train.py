@@ -96,7 +96,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
 
 @pytest.mark.parametrize("argv, message", [
     (["--group-size", "1"], "group-size"),
-    (["--steps", "0"], "steps"),
+    (["--steps", "-1"], "steps"),
     (["--temperature", "0"], "temperature"),
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
