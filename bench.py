@@ -623,6 +623,7 @@ def bench_learn(args):
                  [r["eval_accuracy"]] + [r["eval_accuracy_by_tier"][t] for t in tiers], width, label=name)
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(tiers) + 1)], ["all"] + tiers)
     left.set_ylabel("held-out accuracy (greedy)")
+    left.set_ylim(0, 1)
     left.legend(fontsize=8)
     steps = [r for r in grpo if "reward_mean" in r]
     right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label="GRPO: train accuracy")
