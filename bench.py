@@ -341,8 +341,8 @@ def estimate_memory(config, group=GROUP, context=CONTEXT, micro_batch=4, chunk_s
 
 
 def print_estimate(est):
-    print(f"ESTIMATE, not a measurement: one decoder layer measured on this CPU at the T4 precision "
-          f"(fp16 weights and autocast, fp32 LoRA), scaled, plus analytic sizes")
+    print("ESTIMATE, not a measurement: one decoder layer measured on this CPU at the T4 precision "
+          "(fp16 weights and autocast, fp32 LoRA), scaled, plus analytic sizes")
     print(f"rollout: {est['group']} rows decoded to {est['context']} tokens | update: {est['group']} x "
           f"{est['context']} tokens, micro-batch {est['micro_batch']}, gradient checkpointing, "
           f"log-probs in chunks of {est['chunk_size']} | LoRA r={est['lora_r']}: "
