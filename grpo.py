@@ -221,6 +221,25 @@ def _collate(trajectories, advantages, device):
     }
 
 
+def _clip_and_step(optimizer, max_grad_norm, scaler=None) -> float:
+    """Clip the gradient norm and step, unless it is not finite; returns the norm (before clipping).
+
+    With a GradScaler the gradients are unscaled first (true values for clipping and the check).
+    On an inf/nan the scaler's step is a no-op and update() lowers the scale; without one, the
+    weights are simply left alone. Either way the caller reports the step as skipped.
+    """
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if scaler:
+        scaler.unscale_(optimizer)
+    grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
+    if scaler:
+        scaler.step(optimizer)
+        scaler.update()
+    elif math.isfinite(grad_norm):
+        optimizer.step()
+    return grad_norm
+
+
 def grpo_step(model, optimizer, trajectories, advantages, config, reference_context=None, scaler=None):
     """One optimizer step on `trajectories` (objects with token_ids, assistant_mask,
     sampled_logprobs) with one advantage each. `optimizer` holds the trainable (LoRA) parameters.
@@ -285,22 +304,9 @@ def grpo_step(model, optimizer, trajectories, advantages, config, reference_cont
                 sums[k] += s[k] * s["tokens"]
         stats.update({k: v / forwarded_tokens for k, v in sums.items()})
 
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        if scaler:
-            scaler.unscale_(optimizer)  # true gradients, before clipping and the finiteness check
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        stats["grad_norm"] = grad_norm.item()
-        if not torch.isfinite(grad_norm):
-            stats.update(skipped=True, skip_reason=f"non-finite gradient norm ({grad_norm.item()})")
-            if scaler:  # the scaler saw the inf: its step is a no-op and update() lowers the scale
-                scaler.step(optimizer)
-                scaler.update()
-            return stats
-        if scaler:
-            scaler.step(optimizer)
-            scaler.update()
-        else:
-            optimizer.step()
+        stats["grad_norm"] = _clip_and_step(optimizer, config.max_grad_norm, scaler)
+        if not math.isfinite(stats["grad_norm"]):
+            stats.update(skipped=True, skip_reason=f"non-finite gradient norm ({stats['grad_norm']})")
         return stats
     finally:
         optimizer.zero_grad(set_to_none=True)  # a skipped step leaves no stale gradient behind
@@ -308,18 +314,20 @@ def grpo_step(model, optimizer, trajectories, advantages, config, reference_cont
 
 
 # ---------------------------------------------------------------- 5) supervised warm start
-def sft_step(model, optimizer, trajectories, config):
+def sft_step(model, optimizer, trajectories, config, scaler=None):
     """One supervised step: maximize log p of the assistant tokens of demonstration trajectories.
 
-    The same tokens, masks, chunked log-probs and LoRA as the RL step, so a warm start teaches
-    exactly the format rollouts produce. Loss = -(sum of masked log-probs) / (trained tokens of
-    the whole step), so micro-batches accumulate to the full-batch gradient. Returns stats.
+    The same tokens, masks, chunked log-probs, LoRA and precision (autocast, GradScaler) as the
+    RL step, so a warm start teaches exactly the format rollouts produce. Loss = -(sum of masked
+    log-probs) / (trained tokens of the whole step), so micro-batches accumulate to the
+    full-batch gradient. A non-finite loss or gradient skips the step. Returns stats.
     """
     device = next(model.parameters()).device
     num_tokens = sum(sum(t.assistant_mask) for t in trajectories)
     assert num_tokens > 0, "SFT needs trajectories with trained (assistant) tokens"
     order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
     mbs = config.micro_batch_size
+    autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
     was_training = model.training
     model.train()
     set_gradient_checkpointing(model, config.gradient_checkpointing)
@@ -329,18 +337,17 @@ def sft_step(model, optimizer, trajectories, config):
         for s in range(0, len(order), mbs):
             chunk = [trajectories[i] for i in order[s:s + mbs]]
             b = _collate(chunk, [0.0] * len(chunk), device)
-            logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size)  # (B, T)
+            with autocast:
+                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size)  # (B, T)
             loss = -(logprobs * b["mask"]).sum() / num_tokens
             if not torch.isfinite(loss):
                 return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
-            loss.backward()
+            (scaler.scale(loss) if scaler else loss).backward()
             total += loss.item()
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, config.max_grad_norm)
-        if not torch.isfinite(grad_norm):
-            return {"sft_loss": total, "skipped": True, "skip_reason": "non-finite gradient norm"}
-        optimizer.step()
-        return {"sft_loss": total, "grad_norm": grad_norm.item(), "tokens": num_tokens, "skipped": False}
+        grad_norm = _clip_and_step(optimizer, config.max_grad_norm, scaler)
+        if not math.isfinite(grad_norm):
+            return {"sft_loss": total, "skipped": True, "skip_reason": f"non-finite gradient norm ({grad_norm})"}
+        return {"sft_loss": total, "grad_norm": grad_norm, "tokens": num_tokens, "skipped": False}
     finally:
         optimizer.zero_grad(set_to_none=True)
         model.train(was_training)

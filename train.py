@@ -227,7 +227,7 @@ def update_tier_stats(tier_stats, groups, momentum=0.7):
 
 
 # ----------------------------------------------------------------------------- warm start
-def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path):
+def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, use_grad_scaler=False):
     """Supervised fine-tuning on gold demonstrations, built exactly as a rollout would record them.
 
     A 135M model almost never solves a task from scratch, and GRPO learns nothing from groups
@@ -242,12 +242,14 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
         raise SystemExit(f"--sft-steps: no gold demonstration fits --max-new-tokens {limits.max_new_tokens}; raise it")
     print(f"sft: {len(demo_tasks)} demonstrations ({len(train_tasks) - len(demo_tasks)} left out: a turn exceeds --max-new-tokens)")
     optimizer = torch.optim.AdamW(agentrl.lora_parameters(model), lr=args.sft_lr, weight_decay=args.weight_decay)
+    device_type = next(model.parameters()).device.type
+    scaler = torch.amp.GradScaler(device_type) if use_grad_scaler else None  # its own, like its optimizer
     rng = random.Random(args.seed + 1)
     for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True):
         t0 = time.time()
         batch = [agentrl.scripted_trajectory(tokenizer, task, agentrl.gold_turns(task), limits)
                  for task in rng.sample(demo_tasks, min(args.sft_batch_size, len(demo_tasks)))]
-        stats = grpo.sft_step(model, optimizer, batch, config)
+        stats = grpo.sft_step(model, optimizer, batch, config, scaler=scaler)
         append_jsonl(metrics_path, {"sft_step": step, **stats, "time_step": time.time() - t0})
         if step % 4 == 0 or step == args.sft_steps:
             tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
@@ -395,7 +397,7 @@ def run(args):
         append_jsonl(metrics_path, {"step": 0, "phase": "base", **metrics})
         print(f"eval step 0 (base model): {format_eval(metrics)}")
         if args.sft_steps:
-            warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path)
+            warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
             metrics = evaluate(model, tokenizer, eval_tasks, limits)
             append_jsonl(metrics_path, {"step": 0, "phase": "sft", **metrics})
             print(f"eval step 0 (after {args.sft_steps} SFT steps): {format_eval(metrics)}")

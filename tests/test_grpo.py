@@ -290,3 +290,20 @@ def test_sft_steps_lower_the_loss_on_the_demonstrations():
     assert all(b < a for a, b in zip(losses, losses[1:])), f"the loss must fall at every step: {losses}"
     assert losses[-1] < 0.99 * losses[0], losses
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
+
+
+def test_sft_step_fp16_overflow_skips_the_step_and_lowers_the_scale():
+    """The warm start on a T4 takes the same fp16 path as GRPO: an inf gradient skips the step
+    and halves the loss scale; the next step goes through and moves the LoRA weights."""
+    model, params = tiny_model()
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    scaler = torch.amp.GradScaler("cpu", init_scale=2.0**16)
+    config = grpo.GRPOConfig(amp_dtype=torch.float16)
+    hook = params[0].register_hook(lambda g: g * float("inf"))
+    before = [p.detach().clone() for p in params]
+    stats = grpo.sft_step(model, optimizer, trajectories(4), config, scaler=scaler)
+    assert stats["skipped"] and "non-finite gradient" in stats["skip_reason"] and scaler.get_scale() == 2.0**15
+    assert all(torch.equal(b, p) for b, p in zip(before, params))
+    hook.remove()
+    assert not grpo.sft_step(model, optimizer, trajectories(4), config, scaler=scaler)["skipped"]
+    assert any(not torch.equal(b, p) for b, p in zip(before, params))
