@@ -223,6 +223,33 @@ def test_one_step_changes_lora_params_and_only_them():
     assert all(p.grad is None for p in params), "the step leaves no gradient behind"
 
 
+def test_a_step_raises_the_log_prob_of_positive_advantages_and_lowers_negative_ones():
+    """The direction of the policy gradient: after one small step, each trajectory's summed
+    log-prob moves with the sign of its advantage (recorded log-probs are fresh, so ratio = 1)."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    trajs = trajectories(2, seed=3)
+
+    def summed_logprobs():
+        with torch.no_grad():
+            out = []
+            for t in trajs:
+                ids = torch.tensor([t.token_ids])
+                lp = grpo.token_logprobs(model, ids, torch.ones_like(ids))[0]
+                out.append(sum(v for v, m in zip(lp.tolist(), t.assistant_mask) if m))
+            return out
+
+    before = summed_logprobs()
+    for t in trajs:  # on-policy: the "sampled" log-probs are the current policy's
+        with torch.no_grad():
+            ids = torch.tensor([t.token_ids])
+            lp = grpo.token_logprobs(model, ids, torch.ones_like(ids))[0].tolist()
+        t.sampled_logprobs = [v * m for v, m in zip(lp, t.assistant_mask)]
+    grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), trajs, [1.0, -1.0], grpo.GRPOConfig())
+    after = summed_logprobs()
+    assert after[0] > before[0] and after[1] < before[1], (before, after)
+
+
 def test_kl_is_zero_while_the_adapter_is_a_no_op_then_positive():
     """With B = 0 the policy is the base model, so KL(policy || LoRA-off) is exactly 0; after a step it is not."""
     model, params = tiny_model()
