@@ -4,6 +4,7 @@
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
     python bench.py learn     # held-out accuracy: base, SFT, SFT + GRPO, and SFT for the same compute
+    python bench.py learn --lr 5e-4   # any other flag goes to train.py, for both arms
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (CPU: an estimate)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps
 
@@ -587,8 +588,9 @@ def bench_learn(args):
     import matplotlib.pyplot as plt
     import train
 
+    t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
-    common = ["--eval-size", str(args.eval_size), "--seed", str(args.seed), "--judge", "none"]
+    common = ["--eval-size", str(args.eval_size), "--seed", str(args.seed), "--judge", "none", *args.train_flags]
 
     def records(arm):
         return [json.loads(line) for line in open(os.path.join(out, arm, "metrics.jsonl"))]
@@ -609,12 +611,30 @@ def bench_learn(args):
     tiers = list(evals[0]["eval_accuracy_by_tier"])
     print(f"\nlearn: {evals[0]['eval_tasks']} held-out tasks, greedy | GRPO phase {grpo_s:.0f} s = {extra} SFT steps "
           f"of {sft_step_s:.1f} s")
+    run = json.load(open(os.path.join(out, "grpo", "config.json")))
+    print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}, "
+          f"lr {run['lr']:g}, loss {run['loss']}; SFT lr {run['sft_lr']:g}, {run['sft_batch_size']} demonstrations per step")
     print(f"{'agent':<26}{'accuracy':>9}" + "".join(f"{t:>8}" for t in tiers) + f"{'turns':>7}{'tool err':>9}")
     for name, r in agents:
         print(f"{name:<26}{r['eval_accuracy']:>9.3f}" + "".join(f"{r['eval_accuracy_by_tier'][t]:>8.2f}" for t in tiers)
               + f"{r['eval_mean_turns']:>7.2f}{r['eval_tool_error_rate']:>9.2f}")
     gain = 100 * (agents[2][1]["eval_accuracy"] - agents[3][1]["eval_accuracy"])
     print(f"GRPO over the SFT control: {gain:+.1f} points (target >= +5)")
+    control_base = [r for r in control if "eval_accuracy" in r][0]
+    same_base = all(evals[0][k] == control_base[k] for k in ("eval_accuracy", "eval_mean_turns", "eval_tool_error_rate"))
+    print(f"the two arms' base evaluations agree (same seed, same start): {'yes' if same_base else 'NO'}")
+
+    # Why GRPO did (not) help: the signal it had. A group whose rewards are all equal has zero
+    # advantage; one optimizer step per batch keeps the ratio at 1, so clipping stays idle.
+    steps = [r for r in grpo if "reward_mean" in r]
+    groups = sum(r["submitted_groups"] for r in steps)
+    mixed = sum(r["trainable_groups"] for r in steps)
+    updated = [r for r in steps if not r["skipped"]]
+    accuracy_by_step = " ".join(f"{r['train_accuracy']:.2f}" for r in steps)
+    print(f"GRPO signal: {mixed}/{groups} groups mixed, {len(updated)}/{len(steps)} updates applied | train accuracy "
+          f"by step {accuracy_by_step} | clip fraction "
+          f"{max([r['clip_frac_low'] + r['clip_frac_high'] for r in updated], default=0):.3f} at most | "
+          f"step time {grpo_s / len(steps):.0f} s = rollout {sum(r['time_rollout'] for r in steps) / grpo_s:.0%}")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(agents)
@@ -625,7 +645,6 @@ def bench_learn(args):
     left.set_ylabel("held-out accuracy (greedy)")
     left.set_ylim(0, 1)
     left.legend(fontsize=8)
-    steps = [r for r in grpo if "reward_mean" in r]
     right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label="GRPO: train accuracy")
     sft = [r for r in control if "sft_step" in r]
     right.plot([r["sft_step"] for r in sft], [r["sft_loss"] for r in sft], label="SFT control: loss")
@@ -633,7 +652,7 @@ def bench_learn(args):
     right.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(os.path.join(out, "learn.png"))
-    print(f"curves: {os.path.join(out, 'learn.png')}")
+    print(f"curves: {os.path.join(out, 'learn.png')} | whole benchmark {(time.perf_counter() - t0) / 60:.0f} min")
 
 
 def main():
@@ -644,10 +663,13 @@ def main():
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
     parser.add_argument("--adapter", default=None, help="judge: roll out the embedded model with this saved adapter")
     parser.add_argument("--eval-size", type=int, default=64, help="learn: held-out tasks per evaluation")
-    parser.add_argument("--sft-steps", type=int, default=16, help="learn: warm-start steps before the two arms")
-    parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO steps (the control gets their time)")
+    parser.add_argument("--sft-steps", type=int, default=32, help="learn: warm-start steps before the two arms")
+    parser.add_argument("--grpo-steps", type=int, default=6, help="learn: GRPO steps (the control gets their time)")
     parser.add_argument("--seed", type=int, default=0)
-    args = parser.parse_args()
+    args, train_flags = parser.parse_known_args()
+    if train_flags and args.which != "learn":
+        parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
+    args.train_flags = train_flags  # learn: any other flag goes to train.py, for both arms (e.g. --temperature 1.0)
     benches = {"rollout": bench_rollout, "judge": bench_judge, "memory": bench_memory, "gpu": bench_gpu, "learn": bench_learn}
     benches[args.which](args)
 

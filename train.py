@@ -72,7 +72,9 @@ def parse_args(argv=None):
     g.add_argument("--max-turns", type=int, default=4, help="assistant turns per trajectory")
     g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 128, help="sampled tokens per turn")
     g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature")
+    g.add_argument("--temperature", type=float, default=1.0,
+                   help="sampling temperature; below 1 a warm-started policy's groups come out all equal "
+                        "(README, Results)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     # judge and reward
     g = p.add_argument_group("judge and reward")
@@ -86,13 +88,14 @@ def parse_args(argv=None):
     g.add_argument("--bonus", type=float, default=1.0, help="reward added for an execution-correct answer")
     # supervised warm start (before GRPO)
     g = p.add_argument_group("supervised warm start")
-    g.add_argument("--sft-steps", type=int, default=0 if on_gpu else 16,
+    g.add_argument("--sft-steps", type=int, default=0 if on_gpu else 32,
                    help="SFT steps on gold demonstrations (list_tables, run the gold query, submit it) before RL; 0: none")
     g.add_argument("--sft-batch-size", type=int, default=4, help="demonstrations per SFT step")
     g.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     # loss and optimization
     g = p.add_argument_group("loss and optimization")
-    g.add_argument("--lr", type=float, default=2e-4 if not on_gpu else 5e-5, help="AdamW learning rate on LoRA params")
+    g.add_argument("--lr", type=float, default=1e-4 if not on_gpu else 5e-5,
+                   help="AdamW learning rate on LoRA params (5e-4 undid the warm start on CPU: README, Results)")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--loss", choices=["token", "sequence", "constant"], default="token",
                    help="aggregation: token = DAPO, sequence = GRPO, constant = Dr. GRPO")
