@@ -588,6 +588,8 @@ def bench_learn(args):
     import matplotlib.pyplot as plt
     import train
 
+    if args.sft_steps < 1 or args.grpo_steps < 1:
+        raise SystemExit("bench.py learn compares SFT with GRPO: --sft-steps and --grpo-steps must be >= 1")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
     common = ["--eval-size", str(args.eval_size), "--seed", str(args.seed), "--judge", "none", *args.train_flags]
