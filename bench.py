@@ -607,9 +607,10 @@ def bench_learn(args):
     control = records("control")
 
     evals = [r for r in grpo if "eval_accuracy" in r]
+    control_evals = [r for r in control if "eval_accuracy" in r]
     agents = [("base", evals[0]), (f"SFT {args.sft_steps}", evals[1]),
               (f"SFT {args.sft_steps} + GRPO {args.grpo_steps}", evals[-1]),
-              (f"SFT {args.sft_steps + extra} (control)", [r for r in control if "eval_accuracy" in r][-1])]
+              (f"SFT {args.sft_steps + extra} (control)", control_evals[-1])]
     tiers = list(evals[0]["eval_accuracy_by_tier"])
     print(f"\nlearn: {evals[0]['eval_tasks']} held-out tasks, greedy | GRPO phase {grpo_s:.0f} s = {extra} SFT steps "
           f"of {sft_step_s:.1f} s")
@@ -622,8 +623,7 @@ def bench_learn(args):
               + f"{r['eval_mean_turns']:>7.2f}{r['eval_tool_error_rate']:>9.2f}")
     gain = 100 * (agents[2][1]["eval_accuracy"] - agents[3][1]["eval_accuracy"])
     print(f"GRPO over the SFT control: {gain:+.1f} points (target >= +5)")
-    control_base = [r for r in control if "eval_accuracy" in r][0]
-    same_base = all(evals[0][k] == control_base[k] for k in ("eval_accuracy", "eval_mean_turns", "eval_tool_error_rate"))
+    same_base = all(evals[0][k] == control_evals[0][k] for k in ("eval_accuracy", "eval_mean_turns", "eval_tool_error_rate"))
     print(f"the two arms' base evaluations agree (same seed, same start): {'yes' if same_base else 'NO'}")
 
     # Why GRPO did (not) help: the signal it had. A group whose rewards are all equal has zero

@@ -73,7 +73,7 @@ def parse_args(argv=None):
     g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 128, help="sampled tokens per turn")
     g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
     g.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; below 1 a warm-started policy's groups come out all equal "
+                   help="sampling temperature; at 0.7 fewer groups of a warm-started policy came out mixed "
                         "(README, Results)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     # judge and reward

@@ -230,23 +230,17 @@ def test_a_step_raises_the_log_prob_of_positive_advantages_and_lowers_negative_o
     perturb_lora(params)
     trajs = trajectories(2, seed=3)
 
-    def summed_logprobs():
-        with torch.no_grad():
-            out = []
-            for t in trajs:
-                ids = torch.tensor([t.token_ids])
-                lp = grpo.token_logprobs(model, ids, torch.ones_like(ids))[0]
-                out.append(sum(v for v, m in zip(lp.tolist(), t.assistant_mask) if m))
-            return out
-
-    before = summed_logprobs()
-    for t in trajs:  # on-policy: the "sampled" log-probs are the current policy's
+    def masked_logprobs(t):
         with torch.no_grad():
             ids = torch.tensor([t.token_ids])
             lp = grpo.token_logprobs(model, ids, torch.ones_like(ids))[0].tolist()
-        t.sampled_logprobs = [v * m for v, m in zip(lp, t.assistant_mask)]
+        return [v * m for v, m in zip(lp, t.assistant_mask)]
+
+    for t in trajs:  # on-policy: the "sampled" log-probs are the current policy's
+        t.sampled_logprobs = masked_logprobs(t)
+    before = [sum(t.sampled_logprobs) for t in trajs]
     grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), trajs, [1.0, -1.0], grpo.GRPOConfig())
-    after = summed_logprobs()
+    after = [sum(masked_logprobs(t)) for t in trajs]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 
 
