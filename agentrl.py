@@ -15,8 +15,9 @@ How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows
   4) a row whose turn ends with `<tool_call>{json}</tool_call>` runs the tool; the new text
      (end of turn + tool message + next assistant header) is taken from the chat template as a
      suffix of what is already rendered, tokenized, and appended to that row's cache;
-  5) a row stops on `submit_answer`, a missing call, max turns, max tokens per turn or the
-     context limit (`Trajectory.stop_reason`); finished rows leave the batch.
+  5) a row stops on `submit_answer`, a missing call, max turns, max tokens per turn, the
+     context limit, or non-finite logits (fp16 overflow: there is no distribution to sample
+     from) (`Trajectory.stop_reason`); finished rows leave the batch.
 
 Rows are ragged, so the cache is a (B, S) rectangle with holes. The attention mask marks real
 tokens 1 and holes 0, and every forward passes explicit position ids computed from the mask
@@ -382,6 +383,7 @@ class Trajectory:
     submitted_sql: str | None
     correct: bool
     stop_reason: str                # submitted | no_tool_call | max_turns | max_new_tokens | max_context
+                                    #   | non_finite_logits
     num_turns: int
     num_tool_calls: int
     num_tool_errors: int            # malformed calls + calls the environment answered with an error
@@ -476,7 +478,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stop_ids, pad_id = _stop_token_ids(model, tokenizer), tokenizer.pad_token_id or 0
     chat = _Chat(tokenizer)
-    counters = dict(forwards=0, fed_tokens=0, fed_columns=0, prompt_tokens=0, appended_tokens=0)
+    counters = dict(forwards=0, fed_tokens=0, fed_columns=0, prompt_tokens=0, appended_tokens=0, non_finite_rows=0)
 
     def forward(ids, mask, cache, keep):
         """One forward: ids (B, W) new tokens, mask (B, S+W) over cache + new columns,
@@ -537,12 +539,17 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             if turn < len(row.forced) and len(row.token_ids) - row.turn_start < len(row.forced[turn]):
                 chosen[b] = row.forced[turn][len(row.token_ids) - row.turn_start]
         chosen_lp = logprobs.gather(1, torch.tensor(chosen, device=device)[:, None])[:, 0].tolist()
+        finite = torch.isfinite(logits).all(-1).tolist()                             # (B,)
 
         # 4) end turns: run tools, queue the appended tokens, close finished rows
         feed = {}                       # r -> tokens to feed in the next forward
         for b, r in enumerate(active):
             row = rows[r]
             if row.pending:             # waiting for the flush: not mid-turn, fed a hole
+                continue
+            if not finite[b]:           # an overflow upstream: no token to take, the row ends here
+                counters["non_finite_rows"] += 1
+                _end_turn(row, limits, chat, truncated="non_finite_logits")
                 continue
             token = chosen[b]
             row.token_ids.append(token)

@@ -14,7 +14,8 @@ the whole algorithm:
                          groups that are all right or all wrong carry no signal)
     2) rollouts          N trajectories per task, sampled with the current LoRA policy
     3) reward            reward = judge_score + bonus * correct   (one visible line, below)
-    4) advantages        normalized within each group; all-equal groups are skipped and counted
+    4) advantages        normalized within each group; all-equal groups are skipped and counted,
+                         and so are rows the rollout cut on non-finite logits (fp16 overflow)
     5) update            one clipped policy-gradient step on the LoRA parameters only
     6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter + optimizer +
@@ -431,12 +432,16 @@ def run(args):
             results.append(result)
         t_judge = time.time() - t0 - t_rollout
 
-        # 4) advantages: normalized within each group; all-equal groups come back as None
-        advantages, group_counts = grpo.group_advantages(rewards, scale_by_std=not args.no_std_scaling)
+        # 4) advantages: normalized within each group; all-equal groups come back as None. A row the
+        #    rollout cut on non-finite logits (fp16 overflow) is a numeric failure, not an outcome of
+        #    the policy: it leaves its group here, and a group with fewer than 2 rows left is unscored
+        kept = [[i for i, t in enumerate(g.trajectories) if t.stop_reason != "non_finite_logits"] for g in groups]
+        kept_rewards = [[rs[i] for i in ks] if len(ks) >= 2 else None for rs, ks in zip(rewards, kept)]
+        advantages, group_counts = grpo.group_advantages(kept_rewards, scale_by_std=not args.no_std_scaling)
         batch, batch_advantages = [], []
-        for group, adv in zip(groups, advantages):
+        for group, ks, adv in zip(groups, kept, advantages):
             if adv is not None:
-                batch += group.trajectories
+                batch += [group.trajectories[i] for i in ks]
                 batch_advantages += adv
 
         # 5) update (skipped when no group carries signal)
@@ -457,6 +462,7 @@ def run(args):
             "train_accuracy": sum(t.correct for t in all_trajs) / len(all_trajs),
             "trainable_groups": group_counts["trainable_groups"],
             "zero_variance_groups": group_counts["zero_variance_groups"],
+            "non_finite_trajectories": sum(len(g.trajectories) - len(ks) for g, ks in zip(groups, kept)),
             "submitted_groups": len(groups),
             "judge_failed_groups": judge_failed,
             "mean_turns": sum(t.num_turns for t in all_trajs) / len(all_trajs),

@@ -5,6 +5,7 @@ the engine's `forced_turns` hook scripts the start of chosen turns; the recorded
 forced tokens are still the raw model's, so the exactness checks cover them too.
 """
 import json
+import math
 from dataclasses import dataclass
 
 import pytest
@@ -188,6 +189,38 @@ def test_greedy_rows_agree(tiny_llama, smol_tokenizer):
     rows = groups[0].trajectories[:3] + groups[1].trajectories
     assert rows[0].token_ids == rows[1].token_ids == rows[2].token_ids
     assert rows[3].token_ids == rows[4].token_ids
+
+
+def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
+    """An fp16 overflow in one row (nan logits in the third forward) ends that row with
+    stop_reason non_finite_logits and no nan in its log-probs, is counted, and changes nothing for
+    the other rows: they match a clean run token for token."""
+    def run(poison):
+        forwards = []
+
+        def nan_in_row_0(module, inputs, output):
+            forwards.append(1)
+            if poison and len(forwards) == 3:
+                output[0] = float("nan")
+
+        hook = tiny_llama.lm_head.register_forward_hook(nan_in_row_0)
+        stats = {}
+        try:
+            groups = agentrl.rollout_groups(tiny_llama, smol_tokenizer, TASKS[:1], 3, agentrl.Sampling(greedy=True),
+                                            agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv,
+                                            stats=stats)
+        finally:
+            hook.remove()
+        return groups[0].trajectories, stats
+
+    (clean, clean_stats), (poisoned, stats) = run(False), run(True)
+    assert stats["non_finite_rows"] == 1 and clean_stats["non_finite_rows"] == 0
+    assert poisoned[0].stop_reason == "non_finite_logits" and clean[0].stop_reason == "max_new_tokens"
+    assert sum(poisoned[0].assistant_mask) == 2                  # tokens from forwards 1 and 2, none from 3
+    start = poisoned[0].assistant_mask.index(1)
+    assert poisoned[0].token_ids[:start + 2] == clean[0].token_ids[:start + 2]
+    assert all(math.isfinite(lp) for lp in poisoned[0].sampled_logprobs)
+    assert [t.token_ids for t in poisoned[1:]] == [t.token_ids for t in clean[1:]]
 
 
 def test_top_p_keeps_the_nucleus():

@@ -71,6 +71,33 @@ def test_two_steps_change_the_lora_weights(tiny_model_dir, tmp_path, scripted_ju
     assert (out / "progress.png").stat().st_size > 0
 
 
+def test_rows_cut_on_non_finite_logits_stay_out_of_the_update(tiny_model_dir, tmp_path, scripted_judge, monkeypatch):
+    """A row the rollout ended on non-finite logits (fp16 overflow) is left out of its group's
+    advantages and of the update, and counted; a group left with one row is not trained on."""
+    real_rollout, batches = train.agentrl.rollout_groups, []
+
+    def rollout_with_overflows(model, tokenizer, tasks, n, *args, **kw):
+        groups = real_rollout(model, tokenizer, tasks, n, *args, **kw)
+        if n > 1:                                    # training groups, not the greedy evaluation
+            for group, cut in zip(groups, (1, 2)):   # group 0 keeps 2 rows, group 1 keeps 1
+                for t in group.trajectories[:cut]:
+                    t.stop_reason = "non_finite_logits"
+        return groups
+
+    def recording_step(model, optimizer, batch, advantages, *args, **kw):
+        batches.append([t.stop_reason for t in batch])
+        return real_step(model, optimizer, batch, advantages, *args, **kw)
+
+    real_step = train.grpo.grpo_step
+    monkeypatch.setattr(train.agentrl, "rollout_groups", rollout_with_overflows)
+    monkeypatch.setattr(train.grpo, "grpo_step", recording_step)
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1"))
+    step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
+    assert step["non_finite_trajectories"] == 3 and step["trainable_groups"] == 1 and not step["skipped"]
+    assert len(batches) == 1 and len(batches[0]) == 2 and "non_finite_logits" not in batches[0]
+
+
 def test_kill_and_resume_equals_uninterrupted(tiny_model_dir, tmp_path, scripted_judge):
     """A run stopped after step 1 and resumed must end with exactly the adapter of an unbroken run."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
