@@ -5,13 +5,17 @@
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
     python bench.py learn     # held-out accuracy: base, SFT, SFT + GRPO, and SFT for the same compute
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for both arms
-    python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (CPU: an estimate)
+    python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (CPU: an estimate, checked)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps
 
 Each benchmark measures the baseline and ours in the same run and prints them side by side,
 with the ratio: the machines are shared and noisy, so only ratios are worth quoting.
 """
 import argparse
+import json
+import os
+import subprocess
+import sys
 import time
 
 import torch
@@ -23,8 +27,6 @@ def bench_rollout(args):
     encoded once, KV cache kept across turns, all rows decoded in one batch) against the
     straightforward loop that re-renders the conversation and calls model.generate per turn and
     per trajectory. Sampled text differs between the two, so tokens per second is the figure."""
-    import time
-    import torch
     import agentrl
     import sql_env
 
@@ -142,6 +144,30 @@ def bench_judge(args):
 
 
 # ---------------------------------------------------------------- memory (grpo.py)
+CHILD_VARIANT = "AGENTRL_BENCH_MEMORY_VARIANT"   # set in a child process: which measurement it runs
+
+
+def in_fresh_process(argv, variant):
+    """`python bench.py *argv` in a child process told to measure `variant`: the JSON its last line
+    prints. A fresh process inherits no allocator state, and MALLOC_MMAP_THRESHOLD_ makes glibc hand
+    every freed tensor back to the OS at once, so on a CPU the resident set tracks live memory."""
+    env = {**os.environ, CHILD_VARIANT: variant, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv],
+                         env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def resident_bytes(field):
+    """This process's resident memory from /proc/self/status: VmRSS (now) or VmHWM (the peak)."""
+    with open("/proc/self/status") as f:
+        return 1024 * next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
+
+
+def reset_resident_peak():
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")  # resets the peak resident set (VmHWM) to the current one
+
+
 def bench_memory(args):
     """Peak memory of one GRPO update, token log-probs chunked vs unchunked (grpo.token_logprobs).
 
@@ -158,20 +184,12 @@ def bench_memory(args):
     """
     if args.shape == "qwen2.5-3b":
         return bench_memory_3b(args)
-    import json
-    import os
-    import subprocess
-    import sys
-
-    variant = os.environ.get("AGENTRL_BENCH_MEMORY_VARIANT")
+    variant = os.environ.get(CHILD_VARIANT)
     if variant is None:  # parent: one fresh process per variant, then the table
         results = {}
         for v in ("unchunked", "chunked"):
             print(f"measuring {v} ...", flush=True)
-            env = {**os.environ, "AGENTRL_BENCH_MEMORY_VARIANT": v, "MALLOC_MMAP_THRESHOLD_": "65536"}
-            out = subprocess.run([sys.executable, os.path.abspath(__file__), "memory", "--seed", str(args.seed)],
-                                 env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
-            results[v] = json.loads(out.strip().splitlines()[-1])
+            results[v] = in_fresh_process(["memory", "--seed", str(args.seed)], v)
         r = results["chunked"]
         print(f"\nmodel: {r['model']} | device: {r['device']} | {r['batch']} | method: {r['method']}")
         print(f"{'log-probs':<34}{'peak above baseline':>20}{'time':>9}")
@@ -197,10 +215,6 @@ def bench_memory(args):
     trajs = random_trajectories(model.config.vocab_size, B, T, prompt=256, seed=args.seed)
     advantages = [1.0 if i % 2 else -1.0 for i in range(B)]
 
-    def status_kib(field):
-        with open("/proc/self/status") as f:
-            return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated"
         torch.cuda.synchronize()
@@ -208,9 +222,8 @@ def bench_memory(args):
         base = torch.cuda.memory_allocated()
     else:
         method = "resident-set high-water mark (VmHWM, reset via /proc/self/clear_refs), fresh process per variant"
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # resets the peak resident set (VmHWM) to the current one
-        base = status_kib("VmRSS") * 1024
+        reset_resident_peak()
+        base = resident_bytes("VmRSS")
     t0 = time.time()
     stats = grpo.grpo_step(model, optimizer, trajs, advantages, config)
     assert not stats["skipped"], stats["skip_reason"]
@@ -218,7 +231,7 @@ def bench_memory(args):
         torch.cuda.synchronize()
         peak = torch.cuda.max_memory_allocated() - base
     else:
-        peak = status_kib("VmHWM") * 1024 - base
+        peak = resident_bytes("VmHWM") - base
     print(json.dumps({"model": os.path.basename(model.config._name_or_path) or model.config.model_type,
                       "device": str(device), "batch": f"{B} x {T} tokens, LoRA r=16, grad checkpointing",
                       "method": method, "chunk_size": grpo.GRPOConfig.chunk_size,
@@ -363,6 +376,47 @@ def print_estimate(est):
           f"estimate ({T4_BUDGET_GIB - worst:+.2f} GiB). Measured figures: `python bench.py gpu` on a GPU.")
 
 
+CUT_LAYERS = 2    # the estimate's method, checked on the CPU: the 3B shape cut to this many layers
+
+
+def measure_update_on_cpu(config, micro_batch, seed):
+    """Child process of check_estimate_on_cpu: the measured peak of one GRPO update of `config` on
+    this CPU at the T4 precision, GROUP sequences of CONTEXT tokens, as estimate_memory assumes:
+    the resident-set high-water mark above what the process held before the model was built
+    (the mark is reset once the model is built, so a temporary copy made while building does not
+    count). The first step also creates the AdamW state, which the estimate includes."""
+    import agentrl
+    import grpo
+    precision = agentrl.precision_for("cuda", T4_CAPABILITY)
+    torch.manual_seed(seed)
+    before = resident_bytes("VmRSS")
+    model = build_random_model(config, "cpu", precision.weight_dtype)
+    optimizer = torch.optim.AdamW(agentrl.apply_lora(model, r=16), lr=1e-5)
+    step_config = grpo.GRPOConfig(micro_batch_size=micro_batch, amp_dtype=precision.amp_dtype,
+                                  gradient_checkpointing=True)
+    trajectories = random_trajectories(config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
+    advantages = [1.0 if i % 2 else -1.0 for i in range(GROUP)]
+    reset_resident_peak()
+    t0 = time.perf_counter()
+    stats = grpo.grpo_step(model, optimizer, trajectories, advantages, step_config)
+    assert not stats["skipped"], stats["skip_reason"]
+    return {"peak_bytes": resident_bytes("VmHWM") - before, "seconds": time.perf_counter() - t0}
+
+
+def check_estimate_on_cpu(args, micro_batch):
+    """The update estimate against a measurement, where one fits on a CPU: the 3B shape cut to
+    CUT_LAYERS layers (every term of the estimate is there, each layer and the lm_head chunk at
+    full size; only the layer count is smaller), measured in a fresh process."""
+    print(f"\nthe estimate's method against a measurement on this CPU: the 3B shape cut to {CUT_LAYERS} layers, "
+          f"one GRPO update of {GROUP} x {CONTEXT} tokens (a few minutes) ...", flush=True)
+    measured = in_fresh_process(["memory", "--shape", "qwen2.5-3b", "--seed", str(args.seed)], "cut")
+    est = estimate_memory(qwen_config(num_hidden_layers=CUT_LAYERS), micro_batch=micro_batch)
+    estimated = sum(est["update"].values())
+    print(f"{CUT_LAYERS}-layer update: estimate {estimated / GIB:.2f} GiB, measured {measured['peak_bytes'] / GIB:.2f} GiB "
+          f"(resident-set peak, fresh process; the step took {measured['seconds']:.0f} s) | "
+          f"measured / estimate = {measured['peak_bytes'] / estimated:.2f}")
+
+
 # ------------------------------------------------ the GPU measurement
 def build_random_model(config, device, dtype):
     """A causal LM of `config` with random weights, created directly on `device` in `dtype`: no
@@ -415,7 +469,6 @@ def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group
     group advantages, grpo_step. Each row's tool calls are forced (run the gold query, then
     submit it in even rows, a wrong query in odd rows), so every group is mixed and carries
     signal whatever the random weights would sample. Returns [(step stats, seconds)], one per task."""
-    import json
     import agentrl
     import grpo
 
@@ -526,10 +579,16 @@ def memory_checks(s, seed):
 
 
 def bench_memory_3b(args):
-    """`memory --shape qwen2.5-3b`: measured on a GPU (memory_checks), else the labelled estimate."""
+    """`memory --shape qwen2.5-3b`: measured on a GPU (memory_checks), else the labelled estimate and
+    its method checked against a measurement that fits on the CPU (check_estimate_on_cpu)."""
+    micro_batch = train_defaults().micro_batch_size
+    if os.environ.get(CHILD_VARIANT) == "cut":
+        print(json.dumps(measure_update_on_cpu(qwen_config(num_hidden_layers=CUT_LAYERS), micro_batch, args.seed)))
+        return
     if not torch.cuda.is_available():
         print("memory --shape qwen2.5-3b: the measured figure needs a CUDA GPU, and this machine has none.")
-        print_estimate(estimate_memory(qwen_config(), micro_batch=train_defaults().micro_batch_size))
+        print_estimate(estimate_memory(qwen_config(), micro_batch=micro_batch))
+        check_estimate_on_cpu(args, micro_batch)
         return
     if not all(memory_checks(gpu_setup(args.seed), args.seed)):
         raise SystemExit(1)
@@ -581,8 +640,6 @@ def bench_learn(args):
     Both arms are train.py runs with the same seed, so they share the base evaluation and the
     first S SFT steps exactly (same LoRA init, same demonstrations in the same order).
     """
-    import json
-    import os
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -163,6 +163,20 @@ def test_estimate_grows_with_layers_and_micro_batch():
     assert base["layer_activations_per_seq"] > 0 and all(v > 0 for v in base["update"].values())
 
 
+def test_resident_peak_sees_a_freed_tensor_until_reset():
+    """The instrument of the CPU measurements (bench_memory, check_estimate_on_cpu): the peak
+    resident set keeps a 256 MiB tensor that is already freed, and a reset forgets it."""
+    mib = 2**20
+    bench.reset_resident_peak()
+    before = bench.resident_bytes("VmRSS")
+    x = torch.ones(256 * mib // 4)           # fp32: 256 MiB, written, so resident
+    del x
+    assert bench.resident_bytes("VmHWM") - before >= 250 * mib
+    assert bench.resident_bytes("VmRSS") - before < 64 * mib
+    bench.reset_resident_peak()
+    assert bench.resident_bytes("VmHWM") - bench.resident_bytes("VmRSS") < 64 * mib
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_gpu_check_without_a_gpu_exits_nonzero_and_says_why():
     """`python bench.py gpu` on a CPU stops at once with a nonzero status and a sentence, not a traceback."""
