@@ -34,12 +34,13 @@ Deliberate simplifications, and why they are safe:
 - One tool call per turn: generation stops at `</tool_call>`, so a second call is never made.
 - DynamicCache grows by concatenation (a copy per step); a static cache would need
   model-specific position bookkeeping for little gain at these lengths.
-- Logits are projected for one column per row only (`logits_to_keep`): full-vocabulary logits
-  are never materialized for a whole prompt or tool result.
+- Logits are projected for one column per row only (the lm_head runs on those hidden states):
+  full-vocabulary logits are never materialized for a whole prompt or tool result.
 - A waiting row still samples a token each step, which is then ignored: one (B, V) sample
   is cheaper than gathering the rows that need it.
 """
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -480,15 +481,21 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     chat = _Chat(tokenizer)
     counters = dict(forwards=0, fed_tokens=0, fed_columns=0, prompt_tokens=0, appended_tokens=0, non_finite_rows=0)
 
-    def forward(ids, mask, cache, keep):
+    # the decoder body and the lm_head apart, as grpo.token_logprobs does: the head runs on one
+    # column per row, so full-vocabulary logits are never made for a whole prompt or tool result.
+    # transformers 5.x is renaming past_key_values= to cache=: take whichever this version has
+    body, head = model.base_model, model.get_output_embeddings()
+    cache_arg = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+
+    def forward(ids, mask, cache, column):
         """One forward: ids (B, W) new tokens, mask (B, S+W) over cache + new columns,
-        keep (B, 1) which new column's logits to return -> (B, V)."""
+        column (B,) which new column's logits to return -> (B, V)."""
         nonlocal t_forward
         t0 = time.perf_counter()
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]   # (B, W) real tokens before each
-        out = model(input_ids=ids, attention_mask=mask, position_ids=positions, cache=cache,
-                    use_cache=True, logits_to_keep=keep)
-        logits = out.logits[:, -1].float()                                   # (B, V)
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      **{cache_arg: cache}).last_hidden_state              # (B, W, H)
+        logits = head(hidden[torch.arange(len(ids), device=device), column]).float()   # (B, V)
         if device.type == "cuda":
             torch.cuda.synchronize()
         t_forward += time.perf_counter() - t0
@@ -517,7 +524,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     for g, prompt in enumerate(prompts):
         ids[g, :len(prompt)] = torch.tensor(prompt, device=device)
         mask[g, :len(prompt)] = 1
-    last = torch.tensor([[len(p) - 1] for p in prompts], device=device)              # (G, 1)
+    last = torch.tensor([len(p) - 1 for p in prompts], device=device)                # (G,)
     cache = DynamicCache(config=model.config)
     logits = forward(ids, mask, cache, last)                                          # (G, V)
     counters["prompt_tokens"] = sum(map(len, prompts))
@@ -595,7 +602,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                 ids[b, W - len(chunk):] = torch.tensor(chunk)
                 new_mask[b, W - len(chunk):] = 1
         mask = torch.cat([mask, new_mask.to(device)], dim=1)                        # (B, S+W)
-        logits = forward(ids.to(device), mask, cache, 1)    # (B, V); a waiting row's are unused
+        logits = forward(ids.to(device), mask, cache, -1)   # (B, V); a waiting row's are unused
 
     model.train(was_training)
     if stats is not None:

@@ -113,7 +113,7 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512):
     assert input_ids.shape[1] >= 2, "need at least 2 tokens: one to condition on, one to predict"
     B, T = input_ids.shape
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): 0, 1, ... over real tokens
-    hidden = model.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                          use_cache=False).last_hidden_state  # (B, T, H)
     hidden = hidden[:, :-1].reshape(B * (T - 1), -1)  # (N, H): position t - 1 predicts token t
     targets = input_ids[:, 1:].reshape(-1)  # (N,)
@@ -196,10 +196,12 @@ def set_gradient_checkpointing(model, enabled):
     the embedding output require grad, so a frozen base with LoRA layers gets gradients either way.
     It acts only in train mode with grad enabled, so rollouts (eval, no grad) are unaffected.
     """
-    if enabled and not model.is_activation_checkpointing:
-        model.activation_checkpointing_enable({"use_reentrant": False})
-    elif not enabled and model.is_activation_checkpointing:
-        model.activation_checkpointing_disable()
+    # transformers 5.x is renaming gradient_checkpointing_* to activation_checkpointing_*: take this version's
+    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if enabled and not getattr(model, f"is_{kind}_checkpointing"):
+        getattr(model, f"{kind}_checkpointing_enable")({"use_reentrant": False})
+    elif not enabled and getattr(model, f"is_{kind}_checkpointing"):
+        getattr(model, f"{kind}_checkpointing_disable")()
 
 
 def _collate(trajectories, advantages, device):
