@@ -490,8 +490,10 @@ def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group
     return steps
 
 
-def gpu_setup(seed):
-    """The 3B shape at the T4 precision, forced whatever this GPU supports, under the T4 budget."""
+def gpu_setup(seed, tokenizer_dir=None):
+    """The 3B shape at the T4 precision, forced whatever this GPU supports, under the T4 budget.
+    The tokenizer only turns the forced texts into tokens: the embedded model's by default, or any
+    folder (`--tokenizer`, for a bare GPU machine without the embedded model)."""
     import agentrl
     import grpo
     import sql_env
@@ -518,7 +520,7 @@ def gpu_setup(seed):
           f"built on the GPU in {time.perf_counter() - t0:.1f} s | update: micro-batch {config.micro_batch_size}, "
           f"checkpointing {config.gradient_checkpointing}, chunks of {config.chunk_size}, autocast {config.amp_dtype}")
     return dict(model=model, device=device, config=config,
-                tokenizer=AutoTokenizer.from_pretrained(agentrl.embedded_model_dir()),
+                tokenizer=AutoTokenizer.from_pretrained(tokenizer_dir or agentrl.embedded_model_dir()),
                 tasks=sql_env.load_tasks(), scaler=torch.amp.GradScaler("cuda"),
                 optimizer=torch.optim.AdamW(params, lr=defaults.lr))
 
@@ -590,7 +592,7 @@ def bench_memory_3b(args):
         print_estimate(estimate_memory(qwen_config(), micro_batch=micro_batch))
         check_estimate_on_cpu(args, micro_batch)
         return
-    if not all(memory_checks(gpu_setup(args.seed), args.seed)):
+    if not all(memory_checks(gpu_setup(args.seed, args.tokenizer), args.seed)):
         raise SystemExit(1)
 
 
@@ -604,7 +606,7 @@ def bench_gpu(args):
         raise SystemExit("bench.py gpu needs a CUDA GPU, and this machine has none. On a CPU, "
                          "`python bench.py memory --shape qwen2.5-3b` prints an estimate instead.")
     t0 = time.perf_counter()
-    s = gpu_setup(args.seed)
+    s = gpu_setup(args.seed, args.tokenizer)
     results = memory_checks(s, args.seed)
     lora = [p.detach().clone() for p in s["optimizer"].param_groups[0]["params"]]
     run = timed(lambda: forced_train_steps(s["model"], s["tokenizer"], s["tasks"][1:4], s["optimizer"],
@@ -721,6 +723,8 @@ def main():
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
     parser.add_argument("--adapter", default=None, help="judge: roll out the embedded model with this saved adapter")
+    parser.add_argument("--tokenizer", default=None,
+                        help="gpu, memory --shape qwen2.5-3b: a tokenizer folder (default: the embedded model's)")
     parser.add_argument("--eval-size", type=int, default=64, help="learn: held-out tasks per evaluation")
     parser.add_argument("--sft-steps", type=int, default=32, help="learn: warm-start steps before the two arms")
     parser.add_argument("--grpo-steps", type=int, default=6, help="learn: GRPO steps (the control gets their time)")
