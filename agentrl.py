@@ -433,12 +433,21 @@ class _Chat:
 
 
 def _stop_token_ids(model, tokenizer) -> set[int]:
-    """Tokens that end an assistant turn: eos, the generation config's eos list, <|im_end|>."""
+    """Tokens that end an assistant turn: of eos, the generation config's eos list, <|im_end|> and
+    <|eot_id|>, those the chat template itself writes right after an assistant message. Another
+    (Qwen2.5's <|endoftext|>, say) would leave a turn that the template re-renders differently, so
+    the rows could not be extended; sampled mid-turn, it is text like any other."""
     ids = {tokenizer.eos_token_id}
     gen_eos = getattr(model.generation_config, "eos_token_id", None)
     ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
     ids.update(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.get_vocab())
-    return {i for i in ids if i is not None}
+    probe = "The answer is 42."
+    rendered = render(tokenizer, [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": probe}],
+                      [], add_generation_prompt=False)
+    after = rendered[rendered.rindex(probe) + len(probe):]       # what the template writes to close the turn
+    stops = {i for i in ids if i is not None and after.startswith(tokenizer.decode([i]))}
+    assert stops, f"no stop token candidate ({sorted(i for i in ids if i is not None)}) closes a turn in this chat template"
+    return stops
 
 
 def _sample(logits, sampling: Sampling, generator) -> torch.Tensor:
@@ -564,7 +573,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             row.logprobs.append(chosen_lp[b])
             turn_len = len(row.token_ids) - row.turn_start
             eos = token in stop_ids
-            if eos or "</tool_call>" in chat.decode(row.token_ids[-12:]):
+            if eos or "</tool_call>" in chat.decode(row.token_ids[max(row.turn_start, len(row.token_ids) - 12):]):
                 _end_turn(row, limits, chat, truncated=None, eos=eos)
             elif turn_len >= limits.max_new_tokens:
                 _end_turn(row, limits, chat, truncated="max_new_tokens")

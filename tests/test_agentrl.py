@@ -62,7 +62,7 @@ TASKS = [FakeTask("t0", "How many singers are there?"),
 SCRIPT = [
     [call("run_sql", "SELECT COUNT(*) FROM singer"), call("submit_answer", "SELECT 1")],  # 2 turns, submitted
     [call("run_sql", "SELECT name FROM singer WHERE age > 30 ORDER BY name")],            # then samples freely
-    ['<tool_call>{"name": "run_sql", "arguments": {sql}</tool_call>', "I give up.<|im_end|>"],  # malformed, no call
+    ['<tool_call>{"name": "run_sql", "arguments": {sql}</tool_call>', call("submit_answer", "SELECT 1")],  # malformed, then recovers
     [],                                                                                   # samples from the start
     [call("submit_answer", "SELECT 2")],                                                  # early finisher
     [call("run_sql", "SELECT 1"), call("run_sql", "SELECT a, b FROM t"), call("run_sql", "x")],  # max turns
@@ -144,12 +144,15 @@ def sampled_runs(mask):
 def test_rollout_outcomes_follow_the_script(scripted):
     """Each way a row can stop is recorded: submission (with the env outcome), a final answer
     without a call, the turn limit, the per-turn token limit; malformed calls and unknown tools
-    become error observations and count as tool errors, never exceptions."""
+    become error observations and count as tool errors, never exceptions, and the agent gets its
+    next turn to recover."""
     _, _, groups, _ = scripted("llama", "smol_tokenizer")
     trajs = [t for g in groups for t in g.trajectories]
-    assert [t.stop_reason for t in trajs] == ["submitted", "max_new_tokens", "no_tool_call", "max_new_tokens",
+    assert [t.stop_reason for t in trajs] == ["submitted", "max_new_tokens", "submitted", "max_new_tokens",
                                               "submitted", "max_turns", "no_tool_call", "max_new_tokens"]
     assert trajs[0].submitted_sql == "SELECT 1" and trajs[0].correct and trajs[0].num_turns == 2
+    # the error observation ends in "</tool_call>" (it shows the format): only the new turn's tokens may end a turn
+    assert trajs[2].submitted_sql == "SELECT 1" and trajs[2].num_turns == 2 and trajs[2].num_tool_calls == 2
     assert trajs[4].submitted_sql == "SELECT 2" and not trajs[4].correct and trajs[4].num_turns == 1
     first_tool = len(agentrl.build_messages(TASKS[0], TOOLS)) + 1     # prompt, then assistant, then tool
     assert trajs[2].num_tool_errors == 1 and trajs[2].messages[first_tool]["content"].startswith("Error:")
@@ -221,6 +224,25 @@ def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
     assert poisoned[0].token_ids[:start + 2] == clean[0].token_ids[:start + 2]
     assert all(math.isfinite(lp) for lp in poisoned[0].sampled_logprobs)
     assert [t.token_ids for t in poisoned[1:]] == [t.token_ids for t in clean[1:]]
+
+
+def test_only_stop_tokens_the_template_writes_end_a_turn(qwen_tokenizer):
+    """A model whose generation config lists a second eos (Qwen2.5: <|endoftext|> beside <|im_end|>)
+    does not end a turn on it: the template closes turns with <|im_end|>, and a turn ended by the
+    other could not be re-rendered (the rollout would stop on an assertion). Sampled mid-turn it
+    is text: the row goes on and still decodes to the template's rendering."""
+    from conftest import build_tiny_model
+    model = build_tiny_model("qwen2")
+    im_end, endoftext = qwen_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
+    model.generation_config.eos_token_id = [im_end, endoftext]
+    assert agentrl._stop_token_ids(model, qwen_tokenizer) == {im_end}
+    groups = agentrl.rollout_groups(model, qwen_tokenizer, TASKS[:1], 1, agentrl.Sampling(seed=0),
+                                    agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv,
+                                    forced_turns=[["Hi<|endoftext|>"]])
+    traj = groups[0].trajectories[0]
+    assert traj.stop_reason == "max_new_tokens" and traj.messages[-1]["content"].startswith("Hi<|endoftext|>")
+    text = qwen_tokenizer.decode(traj.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+    assert text == agentrl.render(qwen_tokenizer, traj.messages, TOOLS, add_generation_prompt=False)
 
 
 def test_top_p_keeps_the_nucleus():
