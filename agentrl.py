@@ -249,6 +249,9 @@ def load_adapter(model, folder):
     folder = Path(folder)
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config.get("peft_type") == "LORA", f"{folder}: not a LoRA adapter: {config.get('peft_type')}"
+    unsupported = {k: config[k] for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)}
+    unsupported.update({"bias": config["bias"]} if config.get("bias", "none") != "none" else {})
+    assert not unsupported, f"{folder}: adapter options this LoRA does not implement: {unsupported}"
     if not lora_parameters(model):
         apply_lora(model, config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0),
                    tuple(config["target_modules"]))
@@ -261,7 +264,8 @@ def load_adapter(model, folder):
     with torch.no_grad():
         for name, m in layers.items():
             assert m.r == config["r"], f"{folder}: adapter r={config['r']} but the model's LoRA has r={m.r}"
-            m.scale = config["lora_alpha"] / config["r"]
+            m.alpha, m.scale = config["lora_alpha"], config["lora_alpha"] / config["r"]   # the adapter's, saved again
+            m.dropout.p = config.get("lora_dropout", 0.0)
             m.lora_A.weight.copy_(tensors[f"base_model.model.{name}.lora_A.weight"])
             m.lora_B.weight.copy_(tensors[f"base_model.model.{name}.lora_B.weight"])
 

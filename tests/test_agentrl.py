@@ -330,6 +330,36 @@ def test_adapter_save_load_roundtrip_is_exact(tmp_path, tiny_model_factory):
     assert torch.equal(logits(fresh), logits(model))
 
 
+def test_an_adapter_loaded_over_other_lora_settings_keeps_its_own(tmp_path, tiny_model_factory):
+    """Loading into a model whose LoRA was applied with another alpha and dropout (train.py applies
+    --lora-alpha, then loads --adapter) takes the adapter's: the outputs match, and saving again
+    writes the adapter's lora_alpha and lora_dropout, not the ones it replaced."""
+    model = tiny_model_factory("qwen2")
+    agentrl.apply_lora(model, r=4, alpha=8, dropout=0.1)
+    _perturb(model)
+    agentrl.save_adapter(model, tmp_path / "first")
+    other = tiny_model_factory("qwen2")
+    agentrl.apply_lora(other, r=4, alpha=32)
+    agentrl.load_adapter(other, tmp_path / "first")
+    model.eval(), other.eval()
+    assert torch.equal(logits(other), logits(model))
+    agentrl.save_adapter(other, tmp_path / "again")
+    config = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert (config["lora_alpha"], config["lora_dropout"]) == (8, 0.1)
+
+
+def test_adapter_options_we_do_not_implement_are_refused(tmp_path, tiny_model_factory):
+    """An adapter trained with rsLoRA, DoRA or per-module ranks would load with the wrong scale or
+    shape: it is refused with a message that names the option."""
+    model = tiny_model_factory("qwen2")
+    agentrl.apply_lora(model, r=4, alpha=8)
+    agentrl.save_adapter(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
+    with pytest.raises(AssertionError, match="use_rslora"):
+        agentrl.load_adapter(tiny_model_factory("qwen2"), tmp_path)
+
+
 def test_adapter_layout_is_peft(tmp_path, tiny_llama):
     """The files use peft's layout and key names, so peft / vLLM load what we train."""
     agentrl.apply_lora(tiny_llama, r=4, alpha=8, targets=("q_proj", "v_proj"))
