@@ -393,6 +393,8 @@ class LocalBackend:
                 eos = self.tokenizer.eos_token_id
                 out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                           max_new_tokens=budget, eos_token_id=eos, pad_token_id=eos)  # (1, T + new)
+        except torch.OutOfMemoryError as e:   # a long group on a full GPU: this group goes unscored, the run goes on
+            raise JudgeError(f"out of memory judging a {input_ids.shape[1]}-token prompt: {str(e)[:120]}") from e
         finally:
             self.model.train(was_training)
         return self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)

@@ -32,6 +32,7 @@ Deliberate simplifications, and why they are safe:
 import argparse
 import errno
 import json
+import math
 import os
 import random
 import re
@@ -199,11 +200,19 @@ def load_checkpoint(run_dir, model, optimizer, scaler):
 
 
 def truncate_metrics(path, last_step):
-    """On resume, drop records of steps after the checkpoint: they are about to be redone."""
+    """On resume, drop records of steps after the checkpoint: they are about to be redone. A line
+    cut short (a run killed mid-write, a full disk) cannot be read back, and goes too."""
     if not os.path.isfile(path):
         return
+
+    def step_of(line):
+        try:
+            return json.loads(line).get("step", 0)
+        except json.JSONDecodeError:
+            return math.inf
+
     with open(path) as f:
-        kept = [line for line in f if json.loads(line).get("step", 0) <= last_step]
+        kept = [line for line in f if step_of(line) <= last_step]
     write_atomic(path, lambda f: f.writelines(kept))
 
 

@@ -367,6 +367,17 @@ def test_local_backend_refuses_prompt_over_context(tiny_llama, smol_tokenizer):
     assert not result.scored and result.attempts == 1 and "256-token context" in result.error
 
 
+def test_local_backend_out_of_memory_leaves_the_group_unscored(tiny_llama, smol_tokenizer, monkeypatch):
+    """An OOM while the judge generates (a long group on a full GPU) is a JudgeError: the group is
+    unscored and training goes on with its correctness rewards, instead of the run dying."""
+    def out_of_memory(ids, **kw):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+
+    monkeypatch.setattr(tiny_llama, "generate", out_of_memory)
+    result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer), max_retries=0)
+    assert not result.scored and "out of memory" in result.error
+
+
 def test_local_backend_switches_lora_off(tiny_llama, smol_tokenizer, monkeypatch):
     """With agentrl's LoRA on the model, generation runs inside lora_disabled (the base model)."""
     events = []

@@ -115,6 +115,15 @@ def test_kill_and_resume_equals_uninterrupted(tiny_model_dir, tmp_path, scripted
     assert steps == [1, 2], "the half-done step 2 record is dropped, then redone once"
 
 
+def test_resume_drops_later_steps_and_a_line_cut_short(tmp_path):
+    """Resuming at step 1 keeps the records up to it and drops the later ones and a last line cut
+    short by a kill mid-write, which would otherwise stop every later read of metrics.jsonl."""
+    path = tmp_path / "metrics.jsonl"
+    path.write_text('{"step": 0, "phase": "base"}\n{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
+    train.truncate_metrics(str(path), 1)
+    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
+
+
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     """--resume on an empty folder must say what is missing, not crash deep inside."""
     with pytest.raises(SystemExit, match="no checkpoint"):
