@@ -114,7 +114,7 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512):
     B, T = input_ids.shape
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): 0, 1, ... over real tokens
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                         use_cache=False).last_hidden_state  # (B, T, H)
+                              use_cache=False).last_hidden_state  # (B, T, H)
     hidden = hidden[:, :-1].reshape(B * (T - 1), -1)  # (N, H): position t - 1 predicts token t
     targets = input_ids[:, 1:].reshape(-1)  # (N,)
     head = model.get_output_embeddings()
