@@ -212,8 +212,7 @@ def bench_memory(args):
     config = grpo.GRPOConfig(micro_batch_size=8, gradient_checkpointing=True,
                              chunk_size=None if variant == "unchunked" else grpo.GRPOConfig.chunk_size)
     B, T = 8, 1024
-    trajs = random_trajectories(model.config.vocab_size, B, T, prompt=256, seed=args.seed)
-    advantages = [1.0 if i % 2 else -1.0 for i in range(B)]
+    trajs, advantages = random_batch(model.config.vocab_size, B, T, prompt=256, seed=args.seed)
 
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated"
@@ -262,16 +261,18 @@ def train_defaults():
     return train.parse_args([])
 
 
-def random_trajectories(vocab, n, length, prompt, seed):
-    """n trajectories of `length` random tokens, the last length - prompt trained; the memory and
-    speed of an update do not depend on the token values."""
+def random_batch(vocab, n, length, prompt, seed):
+    """An update's batch: n trajectories of `length` random tokens, the last length - prompt
+    trained, and advantages alternating -1, +1; the memory and speed of an update do not depend
+    on the values. Returns (trajectories, advantages)."""
     import math
     from types import SimpleNamespace
     g = torch.Generator().manual_seed(seed)
-    return [SimpleNamespace(token_ids=torch.randint(0, vocab, (length,), generator=g).tolist(),
-                            assistant_mask=[0] * prompt + [1] * (length - prompt),
-                            sampled_logprobs=[0.0] * prompt + [-math.log(vocab)] * (length - prompt))
-            for _ in range(n)]
+    trajectories = [SimpleNamespace(token_ids=torch.randint(0, vocab, (length,), generator=g).tolist(),
+                                    assistant_mask=[0] * prompt + [1] * (length - prompt),
+                                    sampled_logprobs=[0.0] * prompt + [-math.log(vocab)] * (length - prompt))
+                    for _ in range(n)]
+    return trajectories, [1.0 if i % 2 else -1.0 for i in range(n)]
 
 
 # ------------------------------------------------ the CPU estimate
@@ -394,8 +395,7 @@ def measure_update_on_cpu(config, micro_batch, seed):
     optimizer = torch.optim.AdamW(agentrl.apply_lora(model, r=16), lr=1e-5)
     step_config = grpo.GRPOConfig(micro_batch_size=micro_batch, amp_dtype=precision.amp_dtype,
                                   gradient_checkpointing=True)
-    trajectories = random_trajectories(config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
-    advantages = [1.0 if i % 2 else -1.0 for i in range(GROUP)]
+    trajectories, advantages = random_batch(config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
     reset_resident_peak()
     t0 = time.perf_counter()
     stats = grpo.grpo_step(model, optimizer, trajectories, advantages, step_config)
@@ -536,8 +536,7 @@ def memory_checks(s, seed):
     steady state, and the second is timed warm."""
     import grpo
     model, device, cap = s["model"], s["device"], T4_BUDGET_GIB * GIB
-    trajectories = random_trajectories(model.config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
-    advantages = [1.0 if i % 2 else -1.0 for i in range(GROUP)]
+    trajectories, advantages = random_batch(model.config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
 
     def update():
         return grpo.grpo_step(model, s["optimizer"], trajectories, advantages, s["config"], scaler=s["scaler"])
