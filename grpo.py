@@ -1,8 +1,9 @@
 """The learning rule: GRPO on a LoRA, written as small pure functions.
 
-    advantages, counts = group_advantages(rewards)                     # 1) better or worse than the group?
-    stats = grpo_step(model, optimizer, trajectories, flat_advantages,  # 2) one optimizer step
-                      GRPOConfig(), reference_context=agentrl.lora_disabled(model))
+    batch, advantages, counts = batch_from_groups(groups, rewards)   # 1) better or worse than the group?
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)         #    (disabled: a pass-through)
+    stats = grpo_step(model, optimizer, batch, advantages, GRPOConfig(), scaler,   # 2) one optimizer step
+                      reference_context=lora.lora_disabled(model))
 
 GRPO (DeepSeekMath, Shao et al. 2024, https://arxiv.org/abs/2402.03300) drops PPO's value
 network: the n trajectories of a group answer the same task, so the group mean reward is the
@@ -67,6 +68,18 @@ def group_advantages(rewards, scale_by_std=True, eps=1e-6):
     scale_by_std=False is Dr. GRPO (Liu et al. 2025, arXiv:2503.20783): dividing by the std
     up-weights groups that are nearly all right or all wrong, a difficulty bias they remove.
     std is the sample std (n - 1), as TRL computes it.
+
+    Four trajectories of one task, two right (reward 1) and two wrong (0): the mean is 0.5, the
+    sample std is sqrt(4 * 0.25 / 3) = 0.577, so the advantages are +-0.5 / 0.577 = +-0.866.
+    A second group, all right, carries no signal:
+
+    >>> advantages, counts = group_advantages([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
+    >>> [round(a, 3) for a in advantages[0]], advantages[1]
+    ([0.866, -0.866, 0.866, -0.866], None)
+    >>> counts["trainable_groups"], counts["zero_variance_groups"]
+    (1, 1)
+    >>> group_advantages([[1.0, 0.0, 1.0, 0.0]], scale_by_std=False)[0][0]     # Dr. GRPO
+    [0.5, -0.5, 0.5, -0.5]
     """
     advantages = []
     counts = {"groups": len(rewards), "trainable_groups": 0, "zero_variance_groups": 0, "unscored_groups": 0}
@@ -89,6 +102,29 @@ def group_advantages(rewards, scale_by_std=True, eps=1e-6):
         counts["trainable_groups"] += 1
         advantages.append(a.tolist())
     return advantages, counts
+
+
+def batch_from_groups(groups, rewards, scale_by_std=True):
+    """From a step's groups and their rewards to what grpo_step takes: (batch, advantages, counts).
+
+    groups: objects with .trajectories (each with .stop_reason); rewards: one list per group, in
+    trajectory order. A trajectory the rollout cut on non-finite logits (fp16 overflow) is a
+    numeric failure, not an outcome of the policy: it leaves its group before the baseline is
+    taken, and a group left with fewer than 2 trajectories is unscored. Groups that carry no
+    signal (group_advantages) add nothing to the batch. counts: group_advantages' counts plus
+    `non_finite_trajectories`.
+    """
+    assert len(groups) == len(rewards), "one list of rewards per group"
+    kept = [[i for i, t in enumerate(g.trajectories) if t.stop_reason != "non_finite_logits"] for g in groups]
+    kept_rewards = [[rs[i] for i in ks] if len(ks) >= 2 else None for rs, ks in zip(rewards, kept)]
+    advantages, counts = group_advantages(kept_rewards, scale_by_std=scale_by_std)
+    batch, batch_advantages = [], []
+    for group, ks, adv in zip(groups, kept, advantages):
+        if adv is not None:
+            batch += [group.trajectories[i] for i in ks]
+            batch_advantages += adv
+    counts["non_finite_trajectories"] = sum(len(g.trajectories) - len(ks) for g, ks in zip(groups, kept))
+    return batch, batch_advantages, counts
 
 
 # ---------------------------------------------------------------- 2) token log-probs, chunked
@@ -141,6 +177,17 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     and the accumulated gradient to the gradient, of the step as one batch.
     stats (floats, means over this batch's trained tokens): clip_frac_low, clip_frac_high,
     ratio_mean, kl (None without ref_logprobs), tokens.
+
+    Four trajectories of one trained token each, advantages +1, +1, -1, -1, and a policy that has
+    moved since the rollout: ratios pi/pi_old of 1, 1.5, 1 and 0.5. Per token, -min(r A, clip(r) A)
+    with clip to [0.8, 1.28] gives -1, -1.28 (clipped: 1.5 A would push further), +1, and +0.8
+    (clipped: 0.5 < 0.8 with A < 0). The token mean is (-1 - 1.28 + 1 + 0.8) / 4 = -0.12:
+
+    >>> old = torch.zeros(4, 1)                                       # log pi_old of each token
+    >>> new = torch.tensor([[1.0], [1.5], [1.0], [0.5]]).log()         # log pi: ratios 1, 1.5, 1, 0.5
+    >>> loss, stats = policy_loss(new, old, torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.ones(4, 1))
+    >>> round(loss.item(), 4), stats["clip_frac_high"], stats["clip_frac_low"]
+    (-0.12, 0.25, 0.25)
     """
     assert aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}"
     assert logprobs.shape == old_logprobs.shape == mask.shape and advantages.shape == mask.shape[:1], "shape mismatch"
@@ -223,31 +270,29 @@ def _collate(trajectories, advantages, device):
     }
 
 
-def _clip_and_step(optimizer, max_grad_norm, scaler=None) -> float:
+def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     """Clip the gradient norm and step, unless it is not finite; returns the norm (before clipping).
 
-    With a GradScaler the gradients are unscaled first (true values for clipping and the check).
-    On an inf/nan the scaler's step is a no-op and update() lowers the scale; without one, the
-    weights are simply left alone. Either way the caller reports the step as skipped.
+    The scaler's gradients are unscaled first (true values for clipping and the check). On an
+    inf/nan nothing is stepped, and an enabled scaler's update() lowers its scale (it recorded
+    the inf while unscaling); a disabled one does nothing. Either way the caller reports the
+    step as skipped.
     """
     params = [p for group in optimizer.param_groups for p in group["params"]]
-    if scaler:
-        scaler.unscale_(optimizer)
+    scaler.unscale_(optimizer)
     grad_norm = torch.nn.utils.clip_grad_norm_(params, max_grad_norm).item()
-    if scaler:
+    if math.isfinite(grad_norm):
         scaler.step(optimizer)
-        scaler.update()
-    elif math.isfinite(grad_norm):
-        optimizer.step()
+    scaler.update()
     return grad_norm
 
 
-def grpo_step(model, optimizer, trajectories, advantages, config, reference_context=None, scaler=None):
+def grpo_step(model, optimizer, trajectories, advantages, config, scaler, reference_context=None):
     """One optimizer step on `trajectories` (objects with token_ids, assistant_mask,
     sampled_logprobs) with one advantage each. `optimizer` holds the trainable (LoRA) parameters.
     reference_context: a context manager under which `model` is the KL reference (e.g.
-    agentrl.lora_disabled(model)); needed only when config.kl_coef > 0. scaler: a
-    torch.amp.GradScaler for the fp16 path, or None. Returns a dict of floats for logging.
+    lora.lora_disabled(model)); needed only when config.kl_coef > 0. scaler: a torch.amp.GradScaler,
+    enabled for the fp16 path, disabled (a pass-through) otherwise. Returns a dict of floats for logging.
     """
     assert len(trajectories) == len(advantages), "one advantage per trajectory"
     assert all(math.isfinite(a) for a in advantages), "non-finite advantage"
@@ -298,7 +343,7 @@ def grpo_step(model, optimizer, trajectories, advantages, config, reference_cont
             if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
                 stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
                 return stats
-            (scaler.scale(loss) if scaler else loss).backward()
+            scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
             stats["loss"] += loss.item()
             stats["forwarded_sequences"] += len(b["advantages"])
             forwarded_tokens += s["tokens"]
@@ -316,7 +361,7 @@ def grpo_step(model, optimizer, trajectories, advantages, config, reference_cont
 
 
 # ---------------------------------------------------------------- 5) supervised warm start
-def sft_step(model, optimizer, trajectories, config, scaler=None):
+def sft_step(model, optimizer, trajectories, config, scaler):
     """One supervised step: maximize log p of the assistant tokens of demonstration trajectories.
 
     The same tokens, masks, chunked log-probs, LoRA and precision (autocast, GradScaler) as the
@@ -344,7 +389,7 @@ def sft_step(model, optimizer, trajectories, config, scaler=None):
             loss = -(logprobs * b["mask"]).sum() / num_tokens
             if not torch.isfinite(loss):
                 return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
-            (scaler.scale(loss) if scaler else loss).backward()
+            scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
             total += loss.item()
         grad_norm = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(grad_norm):

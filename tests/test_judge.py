@@ -8,16 +8,19 @@ import http.server
 import json
 import os
 import random
+import subprocess
 import sys
 import threading
 import time
-import types
+from pathlib import Path
 
 import pytest
 import torch
 
 from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, parse_scores, parse_serialized,
                    score_group, serialize_naive, serialize_ruler, serialize_trie)
+
+ROOT = Path(__file__).resolve().parents[1]
 
 SERIALIZERS = [serialize_naive, serialize_ruler, serialize_trie]
 
@@ -378,19 +381,40 @@ def test_local_backend_out_of_memory_leaves_the_group_unscored(tiny_llama, smol_
     assert not result.scored and "out of memory" in result.error
 
 
-def test_local_backend_switches_lora_off(tiny_llama, smol_tokenizer, monkeypatch):
-    """With agentrl's LoRA on the model, generation runs inside lora_disabled (the base model)."""
+def test_local_backend_judges_inside_the_callers_adapter_off_context(tiny_llama, smol_tokenizer, monkeypatch):
+    """The trainer hands the judge its "LoRA off" context; generation runs inside it, and the
+    model's train/eval mode is restored afterwards."""
     events = []
 
     @contextlib.contextmanager
-    def lora_disabled(model):
+    def adapter_off():
         events.append("off")
         yield
         events.append("on")
 
-    fake = types.SimpleNamespace(lora_parameters=lambda model: [torch.zeros(1)], lora_disabled=lora_disabled)
-    monkeypatch.setitem(sys.modules, "agentrl", fake)
     monkeypatch.setattr(tiny_llama, "generate", lambda ids, **kw: events.append("generate") or ids)
     tiny_llama.train()
-    assert LocalBackend(tiny_llama, smol_tokenizer).complete([USER]) == ""
+    assert LocalBackend(tiny_llama, smol_tokenizer, adapter_off=adapter_off).complete([USER]) == ""
     assert events == ["off", "generate", "on"] and tiny_llama.training
+
+
+def test_local_backend_with_lora_disabled_judges_as_the_base_model(tiny_llama, smol_tokenizer):
+    """With the real lora.lora_disabled, a trained adapter does not change the judge's reply."""
+    import lora
+    prompt = [USER]
+    base_reply = LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=8, min_new_tokens=4).complete(prompt)
+    lora.apply_lora(tiny_llama, r=4)
+    with torch.no_grad():
+        for p in lora.lora_parameters(tiny_llama):
+            p.add_(torch.randn_like(p))
+    judged = LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=8, min_new_tokens=4,
+                          adapter_off=lambda: lora.lora_disabled(tiny_llama)).complete(prompt)
+    drifted = LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=8, min_new_tokens=4).complete(prompt)
+    assert judged == base_reply and drifted != base_reply
+
+
+def test_importing_judge_loads_no_model_code():
+    """judge.py stands alone: importing it pulls in neither our model code nor transformers."""
+    code = "import sys, judge; print(sorted({'agentrl', 'lora', 'grpo', 'transformers'} & set(sys.modules)))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "[]"

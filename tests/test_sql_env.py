@@ -1,4 +1,4 @@
-"""Tests for sql_env.py: the embedded data, the held-out split, the tools, scoring, the sandbox, loaders.
+"""Tests for sql_env.py: the tools, scoring, the sandbox, loaders.
 
 Everything writes under pytest's tmp folders (AGENTRL_CACHE is pointed there), nothing is downloaded.
 """
@@ -10,7 +10,6 @@ import sqlite3
 import subprocess
 import sys
 import time
-from collections import Counter
 
 import pytest
 
@@ -22,139 +21,8 @@ def sha256(path):
     return hashlib.sha256(open(path, "rb").read()).hexdigest()
 
 
-@pytest.fixture(scope="module")
-def cache(tmp_path_factory):
-    """One embedded database for the module, in a tmp cache folder (never the home cache)."""
-    with pytest.MonkeyPatch.context() as mp:
-        folder = tmp_path_factory.mktemp("cache")
-        mp.setenv("AGENTRL_CACHE", str(folder))
-        yield folder
-
-
-@pytest.fixture(scope="module")
-def db(cache):
-    return sql_env.default_db_path()
-
-
-@pytest.fixture(scope="module")
-def splits(cache):
-    return {split: load_tasks(split=split) for split in sql_env.SPLITS}
-
-
 def env_for(db, gold="SELECT COUNT(*) FROM customers", **kwargs):
     return SQLEnv(Task("t", db, "How many customers are there?", gold), **kwargs)
-
-
-# ----------------------------------------------------------------------------- the embedded data
-def test_database_is_deterministic(tmp_path):
-    """Same seed, same bytes: runs and papers can name the data by its seed."""
-    a, b, c = (sql_env.build_database(str(tmp_path / name), seed) for name, seed in
-               [("a.sqlite", 0), ("b.sqlite", 0), ("c.sqlite", 1)])
-    assert sha256(a) == sha256(b)
-    assert sha256(a) != sha256(c)
-    assert not [p for p in os.listdir(tmp_path) if p.endswith(".tmp")], "temp file left behind"
-
-
-def test_default_database_is_rebuilt_when_corrupt(db):
-    """A truncated or garbage cache file is detected and rebuilt to the same bytes, not used."""
-    good = sha256(db)
-    with open(db, "r+b") as f:
-        f.truncate(4096)
-    assert sql_env.default_db_path() == db and sha256(db) == good
-    os.remove(db)
-    assert sql_env.default_db_path() == db and sha256(db) == good
-
-
-def test_database_is_realistic(db):
-    """>= 6 tables with keys, thousands of rows, and every kind of value the agent must handle."""
-    con = sqlite3.connect(db)
-    tables = [r[0] for r in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")]
-    assert len(tables) >= 6
-    assert sum(con.execute(f"SELECT COUNT(*) FROM {t}").fetchone()[0] for t in tables) in range(1000, 10_000)
-    assert sum(len(con.execute(f"PRAGMA foreign_key_list({t})").fetchall()) for t in tables) >= 6
-    kinds = set()
-    for t in tables:
-        for c in con.execute(f"PRAGMA table_info({t})").fetchall():
-            kinds |= {k for k, in con.execute(f"SELECT DISTINCT typeof({c[1]}) FROM {t}")}
-            kinds |= {"date" for _ in con.execute(f"SELECT 1 FROM {t} WHERE {c[1]} GLOB '20[0-9][0-9]-[01][0-9]-*'")}
-    assert kinds == {"integer", "real", "text", "null", "date"}
-
-
-def test_split_sizes_and_tiers(splits):
-    """Enough questions in every tier of both splits: the trainer samples tasks by tier."""
-    assert len(splits["train"]) >= 1000 and len(splits["test"]) >= 200
-    for tasks in splits.values():
-        counts = Counter(t.difficulty for t in tasks)
-        assert set(counts) == set(sql_env.TIERS) and min(counts.values()) >= 40
-    ids = [t.id for tasks in splits.values() for t in tasks]
-    assert len(ids) == len(set(ids))
-
-
-def test_question_set_is_deterministic_and_fast(cache, splits):
-    """Regenerating the question set gives the same tasks, and quickly (tests and train.py call it)."""
-    sql_env._embedded_tasks.cache_clear()
-    start = time.time()
-    again = load_tasks(split="train")
-    assert time.time() - start < 10
-    assert [(t.id, t.question, t.gold_sql) for t in again] == [(t.id, t.question, t.gold_sql) for t in splits["train"]]
-
-
-def test_every_gold_query_runs_and_is_not_empty(splits):
-    """A question whose gold SQL fails or returns nothing cannot be answered right."""
-    for task in splits["train"] + splits["test"]:
-        columns, rows = run_query(task.db_path, task.gold_sql)
-        assert rows and any(v not in (None, 0) for v in rows[0]), task
-
-
-def test_ambiguous_gold_queries_are_rejected(db):
-    """Ties under ORDER BY ... LIMIT make the answer depend on the engine: such queries are dropped."""
-    con = sqlite3.connect(db)
-    assert sql_env._is_clear(con, "SELECT name FROM products ORDER BY price DESC LIMIT 1")
-    assert not sql_env._is_clear(con, "SELECT status FROM orders ORDER BY order_id > 0 LIMIT 1")  # all tied
-    assert not sql_env._is_clear(con, "SELECT COUNT(*) FROM orders WHERE status = 'no such status'")  # 0
-    assert not sql_env._is_clear(con, "SELECT name FROM products WHERE price < 0")  # empty
-
-
-def literals(sql):
-    """The values a query mentions: quoted strings and numbers, minus LIMIT counts and date formats.
-    A customer is one value, its full name (first names alone are shared by many customers)."""
-    sql = re.sub(r"first_name = '(\w+)' AND (c\.)?last_name = '(\w+)'", r"name = '\1 \3'", sql)
-    sql = re.sub(r"LIMIT \d+", "", sql)
-    return {s for s in re.findall(r"'[^']*'|\b\d+\b", sql) if not s.startswith("'%")}
-
-
-def test_test_split_is_held_out(splits):
-    """No test question, gold query or value appears in train, so test accuracy is not memorization."""
-    train, test = splits["train"], splits["test"]
-    assert not {t.question for t in train} & {t.question for t in test}
-    assert not {t.gold_sql for t in train} & {t.gold_sql for t in test}
-    train_values = set().union(*(literals(t.gold_sql) for t in train))
-    test_values = set().union(*(literals(t.gold_sql) for t in test))
-    assert test_values and not train_values & test_values
-
-
-def test_test_wordings_never_appear_in_train(splits):
-    """Each template's last wording (and every held-out template) is used only in test."""
-    def pattern(wording):
-        return re.compile(re.sub(r"\\\{\w+\\\}", ".+", re.escape(wording)) + "$")
-    test_only = [pattern(w.split(" | ")[-1]) for *_, w in sql_env.TEMPLATES]
-    test_only += [pattern(w) for *_, w in sql_env.HELD_OUT_TEMPLATES]
-    for task in splits["train"]:
-        assert not any(p.match(task.question) for p in test_only), task.question
-    assert all(any(p.match(t.question) for p in test_only) for t in splits["test"])
-
-
-def constructs(sql):
-    sql = re.sub(r"'[^']*'", "''", sql)
-    return set(re.findall(r"\b[A-Z][A-Z_]+\b|\b[a-z_]+\(", sql)) | {f"{sql.count(' JOIN ')} joins"}
-
-
-def test_test_needs_no_construct_unseen_in_train(splits):
-    """Test combines SQL skills that train teaches; a construct never seen in train measures nothing."""
-    train = set().union(*(constructs(t.gold_sql) for t in splits["train"]))
-    test = set().union(*(constructs(t.gold_sql) for t in splits["test"]))
-    assert test <= train, test - train
-    assert len(sql_env.HELD_OUT_TEMPLATES) >= 1
 
 
 # ----------------------------------------------------------------------------- the tools

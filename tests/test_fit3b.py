@@ -1,7 +1,7 @@
-"""Tests for the hardware path: the precision policy, fp32 LoRA over fp16 weights, the T4 training
-path end to end, and the pieces of bench.py's 3B memory benchmark and GPU check that run on a CPU.
+"""Tests for fit3b.py: the T4 training path end to end, and the pieces of the 3B memory estimate
+and GPU check that run on a CPU (with bench.py's memory instruments they use).
 
-Run: python -m pytest -q tests/test_hardware.py
+Run: python -m pytest -q tests/test_fit3b.py
 
 Covered in tests/test_grpo.py, not repeated here: the non-finite guard (nan loss, nan gradient,
 and an fp16 GradScaler overflow), and gradient checkpointing giving the same LoRA gradients as
@@ -11,11 +11,11 @@ from types import SimpleNamespace
 
 import pytest
 import torch
-import torch.nn as nn
 
-import agentrl
 import bench
+import fit3b
 import grpo
+import lora
 import sql_env
 from conftest import build_tiny_model
 
@@ -24,55 +24,18 @@ TINY = dict(vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_la
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256)
 
 
-# ---------------------------------------------------------------- the precision policy
-@pytest.mark.parametrize("device_type,capability,expected", [
-    ("cpu", None, (torch.float32, None, False)),                       # CPU: fp32, nothing else
-    ("cuda", (7, 5), (torch.float16, torch.float16, True)),            # T4: no bf16, so fp16 + GradScaler
-    ("cuda", (8, 0), (torch.bfloat16, torch.bfloat16, False)),         # A100: bf16, no scaling needed
-    ("cuda", (9, 0), (torch.bfloat16, torch.bfloat16, False)),         # H100
-])
-def test_precision_policy_follows_the_device_capability(device_type, capability, expected):
-    """The device decides the precision, and only through its type and compute capability."""
-    p = agentrl.precision_for(device_type, capability)
-    assert (p.weight_dtype, p.amp_dtype, p.use_grad_scaler) == expected
-
-
-# ---------------------------------------------------------------- LoRA over fp16 weights
-def test_lora_stays_fp32_over_an_fp16_base_with_and_without_autocast():
-    """A and B are fp32 masters whatever the base dtype (fp16 would round small updates away); the
-    output has the base's dtype, equals W x + s B A x up to fp16 rounding, and the gradients that
-    reach A and B are fp32, with or without autocast."""
-    torch.manual_seed(0)
-    base = nn.Linear(16, 8, bias=False).half().requires_grad_(False)    # frozen, as apply_lora leaves it
-    layer = agentrl.LoRALinear(base, r=4, alpha=8)
-    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.float32
-    with torch.no_grad():
-        layer.lora_B.weight.normal_()                 # a nonzero adapter, so the update shows
-    x = torch.randn(3, 16).half()
-    want = x.float() @ base.weight.float().T + 2.0 * x.float() @ layer.lora_A.weight.T @ layer.lora_B.weight.T
-    for autocast in (False, True):
-        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
-            y = layer(x)
-        assert y.dtype == torch.float16
-        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
-        y.float().sum().backward()
-        assert layer.lora_A.weight.grad.dtype == layer.lora_B.weight.grad.dtype == torch.float32
-        assert base.weight.grad is None
-        layer.zero_grad(set_to_none=True)
-
-
 def test_t4_path_trains_end_to_end(qwen_tokenizer):
     """The T4 policy (fp16 frozen weights, fp16 autocast, fp32 LoRA, GradScaler) through the GPU
     check's training loop: rollouts, rewards, advantages, grpo_step. The step is applied, the LoRA
     moves and stays fp32, the frozen weights stay fp16 and bit-identical."""
-    precision = agentrl.precision_for("cuda", bench.T4_CAPABILITY)
+    precision = lora.precision_for("cuda", fit3b.T4_CAPABILITY)
     model = build_tiny_model("qwen2").to(precision.weight_dtype)
     frozen = {n: p.detach().clone() for n, p in model.named_parameters()}
-    params = agentrl.apply_lora(model, r=4)
+    params = lora.apply_lora(model, r=4)
     before = [p.detach().clone() for p in params]
     config = grpo.GRPOConfig(micro_batch_size=2, amp_dtype=precision.amp_dtype, gradient_checkpointing=True)
     optimizer = torch.optim.AdamW(params, lr=1e-2)
-    steps = bench.forced_train_steps(model, qwen_tokenizer, sql_env.load_tasks()[:1], optimizer, config,
+    steps = fit3b.forced_train_steps(model, qwen_tokenizer, sql_env.load_tasks()[:1], optimizer, config,
                                      torch.amp.GradScaler("cpu"), group=2)
     assert [s["skipped"] for s, _ in steps] == [False]
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
@@ -86,10 +49,10 @@ def test_t4_path_trains_end_to_end(qwen_tokenizer):
 # ---------------------------------------------------------------- rollouts free their KV cache
 @pytest.fixture(scope="module")
 def forced(smol_tokenizer):
-    """bench.forced_rollout on a tiny model: 2 rows decoded to 400 tokens (the prompt is ~300)."""
+    """fit3b.forced_rollout on a tiny model: 2 rows decoded to 400 tokens (the prompt is ~300)."""
     context = 400
     task = sql_env.load_tasks()[0]
-    trajectories, _ = bench.forced_rollout(build_tiny_model("llama"), smol_tokenizer, task, 2, context)
+    trajectories, _ = fit3b.forced_rollout(build_tiny_model("llama"), smol_tokenizer, task, 2, context)
     return trajectories, context
 
 
@@ -132,23 +95,23 @@ def test_saved_activation_bytes_by_hand():
         a = x.exp()
         return a * a
 
-    assert bench.saved_activation_bytes(square_of_exp, [x])[1] == 128
-    assert bench.saved_activation_bytes(lambda: x.exp() * x.exp(), [x])[1] == 2 * 128   # two exp outputs
+    assert fit3b.saved_activation_bytes(square_of_exp, [x])[1] == 128
+    assert fit3b.saved_activation_bytes(lambda: x.exp() * x.exp(), [x])[1] == 2 * 128   # two exp outputs
 
 
 def estimate(layers=2, micro_batch=2):
-    return bench.estimate_memory(bench.qwen_config(**{**TINY, "num_hidden_layers": layers}), group=2, context=32,
+    return fit3b.estimate_memory(fit3b.qwen_config(**{**TINY, "num_hidden_layers": layers}), group=2, context=32,
                                  micro_batch=micro_batch, chunk_size=16, lora_r=4)
 
 
 def test_estimate_sizes_match_a_real_model():
     """The analytic terms are the real sizes: weights and LoRA count of the full model built from the
     same config at the T4 precision, and the KV cache of K and V for every layer, row and token."""
-    config = bench.qwen_config(**TINY)
+    config = fit3b.qwen_config(**TINY)
     est = estimate()
-    model = bench.build_random_model(config, "cpu", torch.float16)
+    model = fit3b.build_random_model(config, "cpu", torch.float16)
     assert est["rollout"]["frozen weights (fp16)"] == sum(p.numel() * 2 for p in model.parameters())
-    assert est["lora_params"] == sum(p.numel() for p in agentrl.apply_lora(model, r=4))
+    assert est["lora_params"] == sum(p.numel() for p in lora.apply_lora(model, r=4))
     head_dim = TINY["hidden_size"] // TINY["num_attention_heads"]
     assert est["rollout"]["KV cache (2 x 32 tokens)"] == 2 * 32 * 2 * 2 * TINY["num_key_value_heads"] * head_dim * 2
 
@@ -181,5 +144,5 @@ def test_resident_peak_sees_a_freed_tensor_until_reset():
 def test_gpu_check_without_a_gpu_exits_nonzero_and_says_why():
     """`python bench.py gpu` on a CPU stops at once with a nonzero status and a sentence, not a traceback."""
     with pytest.raises(SystemExit) as stop:
-        bench.bench_gpu(SimpleNamespace(seed=0))
+        fit3b.bench_gpu(SimpleNamespace(seed=0))
     assert "needs a CUDA GPU" in str(stop.value.code)

