@@ -37,8 +37,11 @@ Deliberate simplifications, and why they are safe:
   prompt + sum over turns of (longest turn + longest tool result) wide. On a CPU a decode
   step costs about the same for a few more rows, so the waiting rows are nearly free.
 - One tool call per turn: generation stops at `</tool_call>`, so a second call is never made.
-- DynamicCache grows by concatenation (a copy per step); a static cache would need
-  model-specific position bookkeeping for little gain at these lengths.
+- The KV cache is our own (`KVCache`, at the end of this file): transformers' DynamicCache grows
+  by torch.cat, so every decode step allocates a new tensor per layer and copies the whole past
+  into it (one more read and write of the entire cache per token). KVCache preallocates, writes
+  only the new columns, and doubles its capacity when full; it still goes through the model's own
+  forward and attention. It holds full-attention layers only (Llama, Qwen2, SmolLM2).
 - Logits are projected for one column per row only (the lm_head runs on those hidden states):
   full-vocabulary logits are never materialized for a whole prompt or tool result.
 - A waiting row still samples a token each step, which is then ignored: one (B, V) sample
@@ -51,7 +54,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
-from transformers import DynamicCache
+from transformers.cache_utils import Cache, CacheLayerMixin
 
 from sql_env import SQLEnv
 
@@ -265,7 +268,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
 
     # 1) one prompt per task, encoded once (one forward over the G prompts)
     rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns)
-    cache = DynamicCache(config=model.config)
+    cache = KVCache(config=model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
     mask, logits = _prefill(forward, prompts, cache, pad_id)                        # (G, P), (G, V)
     counters["prompt_tokens"] = sum(map(len, prompts))
 
@@ -520,3 +523,106 @@ def _finish(row: _Row, reason: str, chat):
     row.token_ids += closing
     row.mask += [0] * len(closing)
     row.logprobs += [0.0] * len(closing)
+
+
+# ----------------------------------------------------------------------------- the KV cache
+# What the transformers 5.x forward asks of a cache: update(keys, values, layer) -> the keys and
+# values to attend, in the order of the mask's columns; get_mask_sizes / get_query_offset /
+# get_seq_length -> the length before this forward (asked once, before any layer updates);
+# subclassing Cache and CacheLayerMixin gives the rest (the is_sliding lists, isinstance checks).
+class KVLayer(CacheLayerMixin):
+    """One layer's keys and values in preallocated (B, kv_heads, capacity, head_dim) buffers, of
+    which the first `length` columns are valid; `update` returns views of the valid part."""
+
+    is_sliding = False
+    is_compileable = False       # True would make transformers build a mask at every decode step
+
+    def __init__(self, capacity: int = 0):
+        super().__init__()
+        self.length = 0                  # valid columns (tokens) in the buffers
+        self.min_capacity = capacity     # a hint: preallocate this many columns on first use
+
+    def lazy_initialization(self, key_states, value_states):
+        self.device, self.dtype = key_states.device, key_states.dtype
+        capacity = max(self.min_capacity, key_states.shape[-2], 16)
+        self.keys, self.values = self._empty(key_states, capacity), self._empty(value_states, capacity)
+        self.is_initialized = True
+
+    def _empty(self, like, capacity):
+        B, H, _, D = like.shape
+        return torch.empty((B, H, capacity, D), dtype=like.dtype, device=like.device)
+
+    def _reserve(self, needed):
+        """Make room for `needed` columns: at least double the capacity, keep the valid part
+        (an amortized O(1) copy per token)."""
+        if needed <= self.keys.shape[-2]:
+            return
+        capacity, L = max(needed, 2 * self.keys.shape[-2]), self.length
+        keys, values = self._empty(self.keys, capacity), self._empty(self.values, capacity)
+        keys[:, :, :L].copy_(self.keys[:, :, :L])
+        values[:, :, :L].copy_(self.values[:, :, :L])
+        self.keys, self.values = keys, values
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        """Write the new (B, kv_heads, W, head_dim) states after the valid part and return the
+        (B, kv_heads, length, head_dim) views to attend: W columns written, nothing else copied.
+        The views are strided; SDPA reads them as they are."""
+        if not self.is_initialized:
+            self.lazy_initialization(key_states, value_states)
+        start, end = self.length, self.length + key_states.shape[-2]
+        self._reserve(end)
+        self.keys[:, :, start:end].copy_(key_states)
+        self.values[:, :, start:end].copy_(value_states)
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+    def get_mask_sizes(self, query_length):
+        return self.length + query_length, 0       # (kv_length, kv_offset), as DynamicLayer
+
+    def get_seq_length(self):
+        return self.length
+
+    def get_max_length(self):
+        return -1                                  # grows without bound
+
+    def batch_repeat_interleave(self, repeats):
+        """Row b becomes rows b*repeats .. b*repeats + repeats - 1 (one broadcast copy, no temporary)."""
+        B, H, C, D = self.keys.shape
+        for name in ("keys", "values"):
+            old = getattr(self, name)
+            new = torch.empty((B, repeats, H, C, D), dtype=old.dtype, device=old.device)
+            new[:, :, :, :self.length] = old[:, None, :, :self.length]
+            setattr(self, name, new.view(B * repeats, H, C, D))
+
+    def batch_select_indices(self, indices):
+        """Keep rows `indices`, in that order, compacted in place into the first len(indices) rows of
+        the same buffers (the dropped rows' memory goes when the cache does)."""
+        m, L = len(indices), self.length
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            buf[:m, :, :L] = buf[indices.to(buf.device), :, :L]     # the right side is gathered first
+            setattr(self, name, buf[:m])
+
+
+class KVCache(Cache):
+    """A preallocated KV cache, a drop-in for DynamicCache in a model forward:
+
+        cache = KVCache(config=model.config, capacity=prompt_len + max_new_tokens)   # a hint
+        body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, past_key_values=cache)
+        cache.batch_repeat_interleave(n); cache.batch_select_indices(index)
+    """
+
+    def __init__(self, config, capacity: int = 0):
+        config = config.get_text_config(decoder=True)
+        kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+        assert all(k == "full_attention" for k in kinds), f"KVCache holds full-attention layers only, not {sorted(set(kinds))}"
+        super().__init__(layers=[KVLayer(capacity) for _ in range(config.num_hidden_layers)])
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        return self.layers[layer_idx].update(key_states, value_states)
+
+    def get_query_offset(self, layer_idx: int = 0) -> int:
+        return self.layers[layer_idx].length
+
+    def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
+        return self.layers[layer_idx].length + query_length, 0

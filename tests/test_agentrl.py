@@ -308,3 +308,45 @@ def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, tiny_model_fac
         assert scripted.assistant_mask == rolled.assistant_mask
         assert scripted.messages == rolled.messages
         assert scripted.correct and rolled.correct and scripted.stop_reason == "submitted" and scripted.num_turns == 3
+
+
+# ----------------------------------------------------------------------------- the KV cache
+def test_kv_cache_row_copy_growth_and_drop_equal_a_plain_forward(tiny_llama):
+    """KVCache through the model's forward: two ragged prompts (a hole in one), each copied into 2
+    rows, decoded past the preallocated capacity (so it grows), one row dropped midway. Every
+    row's logits equal a fresh forward over that row's real tokens."""
+    torch.manual_seed(0)
+    body, head = tiny_llama.base_model, tiny_llama.get_output_embeddings()
+    prompts = [[5, 9, 300, 41, 7, 88], [12, 13, 14]]
+    ids = torch.tensor([prompts[0], prompts[1] + [0, 0, 0]])
+    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
+    cache = agentrl.KVCache(tiny_llama.config, capacity=8)
+
+    def forward(ids, mask):
+        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
+        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
+                      past_key_values=cache).last_hidden_state
+        return head(hidden[:, -1])
+
+    with torch.no_grad():
+        forward(ids, mask)
+        cache.batch_repeat_interleave(2)
+        mask = mask.repeat_interleave(2, dim=0)
+        rows = [list(p) for p in prompts for _ in range(2)]
+        for step in range(12):
+            new = torch.randint(0, 1000, (len(rows), 1))
+            if step == 5:                               # drop row 1; row 2 also gets a hole column
+                keep = torch.tensor([0, 2, 3])
+                cache.batch_select_indices(keep)
+                mask, rows, new = mask[keep], [rows[i] for i in keep], new[keep]
+            fed = torch.ones(len(rows), 1, dtype=torch.long)
+            if step == 7:
+                fed[1] = 0
+            mask = torch.cat([mask, fed], dim=1)
+            logits = forward(new, mask)
+            for b, row in enumerate(rows):
+                if fed[b]:
+                    row.append(int(new[b]))
+                    fresh = tiny_llama(input_ids=torch.tensor([row])).logits[0, -1]
+                    torch.testing.assert_close(logits[b], fresh, rtol=1e-4, atol=1e-4)
+    assert cache.layers[0].keys.shape[-2] >= mask.shape[1] > 8, "the cache grew past its first capacity"
