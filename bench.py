@@ -1,6 +1,7 @@
 """Benchmarks that back every performance claim in the README.
 
     python bench.py rollout   # our KV-cache-reusing rollout engine vs re-tokenize + generate()
+    python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
     python bench.py learn     # held-out accuracy: base, SFT, SFT + GRPO, and SFT for the same compute
@@ -12,6 +13,7 @@ Each benchmark measures the baseline and ours in the same run and prints them si
 with the ratio: the machines are shared and noisy, so only ratios are worth quoting.
 """
 import argparse
+import inspect
 import json
 import os
 import subprocess
@@ -92,6 +94,47 @@ def bench_rollout(args):
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
+
+
+# ---------------------------------------------------------------- KV cache (agentrl.KVCache)
+def bench_cache(args):
+    """One decode step of the embedded model, batch 16, fp32, at 256, 768 and 1536 tokens of context:
+    agentrl.KVCache (preallocated, writes one column) against transformers' DynamicCache (torch.cat,
+    copies the whole cache every step). Each cache is filled by the same prefill, then both take
+    decode steps in alternation (rounds of 3 steps each), and the median step time is compared."""
+    import statistics
+    import lora
+    from transformers import DynamicCache
+    import agentrl
+
+    B, rounds, per_round = 16, 6, 3
+    model, _ = lora.load_model()
+    body = model.base_model
+    cache_arg = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    print(f"decode step: {lora.EMBEDDED_NAME}, batch {B}, {model.dtype}, {torch.get_num_threads()} threads, "
+          f"median of {rounds} x {per_round} steps each, the two caches alternating")
+    print(f"{'context':>8}{'DynamicCache ms':>17}{'KVCache ms':>12}{'ratio':>8}")
+    g = torch.Generator().manual_seed(args.seed)
+    for context in (256, 768, 1536):
+        prompt = torch.randint(0, model.config.vocab_size, (B, context), generator=g)
+        caches = {"dynamic": DynamicCache(config=model.config), "ours": agentrl.KVCache(model.config, context + 64)}
+        masks, times = {}, {name: [] for name in caches}
+        with torch.no_grad():
+            for name, cache in caches.items():
+                body(input_ids=prompt, use_cache=True, **{cache_arg: cache})
+                masks[name] = torch.ones(B, context, dtype=torch.long)
+            for _ in range(rounds):
+                for name, cache in caches.items():
+                    for _ in range(per_round):
+                        masks[name] = torch.cat([masks[name], torch.ones(B, 1, dtype=torch.long)], dim=1)
+                        ids = torch.randint(0, model.config.vocab_size, (B, 1), generator=g)
+                        positions = masks[name].sum(-1, keepdim=True) - 1
+                        t0 = time.perf_counter()
+                        body(input_ids=ids, attention_mask=masks[name], position_ids=positions, use_cache=True,
+                             **{cache_arg: cache})
+                        times[name].append(time.perf_counter() - t0)
+        dynamic, ours = statistics.median(times["dynamic"]), statistics.median(times["ours"])
+        print(f"{context:>8}{1e3 * dynamic:>17.1f}{1e3 * ours:>12.1f}{dynamic / ours:>7.2f}x")
 
 
 # ---------------------------------------------------------------- judge (judge.py)
@@ -348,7 +391,7 @@ def bench_gpu(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "judge", "memory", "gpu", "learn"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "memory", "gpu", "learn"])
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
@@ -363,7 +406,7 @@ def main():
     if train_flags and args.which != "learn":
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
     args.train_flags = train_flags  # learn: any other flag goes to train.py, for both arms (e.g. --temperature 1.0)
-    benches = {"rollout": bench_rollout, "judge": bench_judge, "memory": bench_memory, "gpu": bench_gpu, "learn": bench_learn}
+    benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "memory": bench_memory, "gpu": bench_gpu, "learn": bench_learn}
     benches[args.which](args)
 
 
