@@ -3,6 +3,7 @@
     model, tokenizer = lora.load_model()                # the policy (lora.py: loading and the LoRA)
     group = rollout_group(model, tokenizer, task, n=8, sampling=Sampling(seed=0), limits=Limits())
     group.trajectories[0].token_ids                     # exactly what GRPO will train on
+    demo = demonstration(tokenizer, task, kind="look")  # a gold demonstration for SFT, as a rollout records it
 
 An episode is a conversation: the system prompt (with the tools), a worked example, the question;
 then turns in which the model writes one `<tool_call>{json}</tool_call>` and the environment
@@ -56,7 +57,7 @@ from dataclasses import dataclass, field
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from sql_env import SQLEnv
+from sql_env import SQLEnv, SQLError, run_query, tables_read
 
 # ----------------------------------------------------------------------------- chat and tools
 
@@ -166,6 +167,8 @@ class Trajectory:
     num_turns: int
     num_tool_calls: int
     num_tool_errors: int            # malformed calls + calls the environment answered with an error
+    num_describe_calls: int = 0     # describe_table calls (SQLEnv counts them; 0 from an env that does not)
+    failed_submission: bool = False # the submitted query itself failed to run (no such table, syntax, timeout)
 
 
 @dataclass
@@ -437,7 +440,10 @@ def _right_aligned(chunks, pad_id, device):
 def _trajectory(row) -> Trajectory:
     return Trajectory(row.task.id, row.messages, row.token_ids, row.mask, row.logprobs, row.env.submitted_sql,
                       bool(row.env.correct), row.stop_reason, row.num_turns, row.num_tool_calls,
-                      row.num_parse_errors + row.env.num_tool_errors)
+                      row.num_parse_errors + row.env.num_tool_errors,
+                      # behaviour counters of sql_env.SQLEnv; an environment without them reports none
+                      num_describe_calls=getattr(row.env, "num_describe_calls", 0),
+                      failed_submission=getattr(row.env, "submit_error", None) is not None)
 
 
 def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) -> Trajectory:
@@ -464,13 +470,76 @@ def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) 
     return _trajectory(row)
 
 
-def gold_turns(task) -> list[str]:
-    """The demonstration an SFT warm start imitates: look at the schema, run the gold query,
-    see its result, submit it."""
-    def call(name, arguments):
-        return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
-    return [call("list_tables", {}), call("run_sql", {"query": task.gold_sql}),
-            call("submit_answer", {"query": task.gold_sql})]
+# Demonstrations for the SFT warm start, by kind, with the fewest assistant turns each one takes.
+DEMO_KINDS = {"look": 4, "plain": 3, "recover": 4}
+
+
+def _call(name, arguments) -> str:
+    return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
+
+
+def gold_turns(task, kind="look", max_turns=None) -> list[str]:
+    """The demonstration an SFT warm start imitates, one text per assistant turn, by kind:
+      plain    list the tables, run the gold query, see its result, submit it;
+      look     list the tables, describe the tables the gold query reads (sql_env.tables_read, in
+               the order the query names them; as many as max_turns leaves room for), then run
+               and submit: read the schema before writing against it;
+      recover  list the tables, run the gold query with one table name wrong (its plural
+               toggled, the slip a remembered schema makes), get "no such table", run the right
+               query, submit it. `demonstration` keeps the slip out of what is imitated. A task
+               whose query cannot be misnamed that way gets the plain demonstration.
+    The gold query is assumed to run (the embedded set checks every one)."""
+    assert kind in DEMO_KINDS, f"demonstration kind {kind!r}: one of {', '.join(DEMO_KINDS)}"
+    assert max_turns is None or max_turns >= DEMO_KINDS[kind], f"a {kind} demonstration needs {DEMO_KINDS[kind]} turns"
+    run, submit = _call("run_sql", {"query": task.gold_sql}), _call("submit_answer", {"query": task.gold_sql})
+    look_first = [_call("list_tables", {})]
+    if kind == "look":
+        tables = tables_read(task.db_path, task.gold_sql)
+        room = len(tables) if max_turns is None else max_turns - 3
+        look_first += [_call("describe_table", {"table": t}) for t in tables[:room]]
+    if kind == "recover":
+        wrong = _misnamed(task)
+        if wrong is not None:
+            look_first.append(_call("run_sql", {"query": wrong}))
+    return look_first + [run, submit]
+
+
+def _toggle_plural(name) -> str:
+    for one, many in (("y", "ies"), ("", "s")):
+        if name.lower().endswith(many) and len(name) > len(many) + 1:
+            return name[:len(name) - len(many)] + one
+    return name[:-1] + "ies" if name.lower().endswith("y") else name + "s"
+
+
+def _misnamed(task) -> str | None:
+    """The gold query with one table's name in the other number (customers -> customer, Store ->
+    Stores), outside string literals, if that name exists nowhere in the database so the query
+    fails with "no such table"; else None."""
+    for table in tables_read(task.db_path, task.gold_sql):
+        pattern = re.compile(rf"(?<![.\w]){re.escape(table)}(?!\w)", re.IGNORECASE)
+        parts = re.split(r"('(?:[^']|'')*')", task.gold_sql)     # our own gold SQL: literals at odd indices
+        wrong = "".join(p if i % 2 else pattern.sub(_toggle_plural(table), p) for i, p in enumerate(parts))
+        try:
+            run_query(task.db_path, wrong, max_rows=1)
+        except SQLError as e:
+            if "no such table" in str(e):
+                return wrong
+    return None
+
+
+def demonstration(tokenizer, task, kind="look", limits=Limits()) -> Trajectory:
+    """A gold demonstration as a rollout records it (scripted_trajectory of gold_turns), with the
+    mask cleared on each turn the environment answered with an error: the warm start learns to
+    read the error and recover, never to make the mistake."""
+    trajectory = scripted_trajectory(tokenizer, task, gold_turns(task, kind, limits.max_turns), limits)
+    first = len(build_messages(task, [])) + 1        # the first tool message: prompt, then assistant, tool
+    failed = [m["content"].startswith("Error:") for m in trajectory.messages[first::2]]
+    turn, sampled = -1, list(trajectory.assistant_mask)
+    for i, m in enumerate(sampled):
+        turn += m and (i == 0 or not sampled[i - 1])    # the first token of the next sampled turn
+        if m and turn < len(failed) and failed[turn]:
+            trajectory.assistant_mask[i] = 0
+    return trajectory
 
 
 def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool = False):

@@ -5,8 +5,10 @@
     python train.py --resume --out runs/default      # continue a killed run from its last checkpoint
     python train.py --eval-only --adapter runs/default/final   # evaluate a trained adapter
 
-Before the loop, on a fresh run: evaluate the base model, then (--sft-steps) a supervised warm
-start on gold demonstrations, evaluate again, and checkpoint it as step 0. One step of the loop,
+Before the loop, on a fresh run: evaluate the base model (on the embedded data, on two held-out
+splits: test, new questions on the schemas trained on, and test_schema, the same questions on a
+schema never trained on), then (--sft-steps) a supervised warm start on gold demonstrations
+(--demos), evaluate again, and checkpoint it as step 0. One step of the loop,
 the whole algorithm:
 
     1) sample tasks      a few questions from the train split, weighted toward tiers the agent
@@ -71,7 +73,11 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--data", default="default", help="'default' (embedded), or a Spider or BIRD folder")
     g.add_argument("--train-split", default="train", help="split to train on")
-    g.add_argument("--eval-split", default=None, help="held-out split to evaluate on (default: test, or dev for Spider/BIRD)")
+    g.add_argument("--eval-split", default=None,
+                   help="held-out split(s) to evaluate on, comma-separated; the first is logged as eval_*, each other "
+                        "under its own name (test_schema_accuracy, ...). Default: test,test_schema (new wordings and "
+                        "values on the training schemas; the same questions on a schema never trained on), or dev "
+                        "for Spider/BIRD")
     # rollouts
     g = p.add_argument_group("rollouts")
     g.add_argument("--steps", type=int, default=40 if on_gpu else 4, help="GRPO optimizer steps")
@@ -95,7 +101,12 @@ def parse_args(argv=None):
     # supervised warm start (before GRPO)
     g = p.add_argument_group("supervised warm start")
     g.add_argument("--sft-steps", type=int, default=0 if on_gpu else 32,
-                   help="SFT steps on gold demonstrations (list_tables, run the gold query, submit it) before RL; 0: none")
+                   help="SFT steps on gold demonstrations (see --demos) before RL; 0: none")
+    g.add_argument("--demos", choices=list(agentrl.DEMO_KINDS), default="look",
+                   help="the warm start's demonstrations: look = list_tables, describe_table on the tables the gold "
+                        "query reads (as many as --max-turns allows), run it, submit it; plain = list_tables, run, "
+                        "submit; recover = list_tables, the gold query with a table name wrong, its error, the right "
+                        "query, submit (the wrong turn is not imitated)")
     g.add_argument("--sft-batch-size", type=int, default=4, help="demonstrations per SFT step")
     g.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     # loss and optimization
@@ -124,8 +135,9 @@ def parse_args(argv=None):
 
     if args.sft_steps < 0 or args.sft_batch_size < 1:
         p.error("--sft-steps must be >= 0 and --sft-batch-size >= 1")
-    if args.sft_steps and args.max_turns < 3:
-        p.error("--sft-steps: the gold demonstrations take 3 turns (schema, query, submit); use --max-turns >= 3")
+    if args.sft_steps and args.max_turns < agentrl.DEMO_KINDS[args.demos]:
+        p.error(f"--sft-steps: the {args.demos} demonstrations take {agentrl.DEMO_KINDS[args.demos]} turns; "
+                f"use --max-turns >= {agentrl.DEMO_KINDS[args.demos]} (or other --demos)")
     if args.steps < 0:
         p.error(f"--steps must be >= 0, got {args.steps}")
     positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r"]
@@ -143,7 +155,10 @@ def parse_args(argv=None):
     if args.rubric and not os.path.isfile(args.rubric):
         p.error(f"--rubric {args.rubric!r}: no such file")
     if args.eval_split is None:
-        args.eval_split = "test" if args.data == "default" else "dev"
+        args.eval_split = "test,test_schema" if args.data == "default" else "dev"
+    args.eval_splits = [split.strip() for split in args.eval_split.split(",") if split.strip()]
+    if not args.eval_splits or len(set(args.eval_splits)) < len(args.eval_splits):
+        p.error(f"--eval-split {args.eval_split!r}: name one or more different splits, comma-separated")
     return args
 
 
@@ -230,25 +245,31 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
 
     A 135M model almost never solves a task from scratch, and GRPO learns nothing from groups
     that are all wrong; a few SFT steps teach the tool protocol so that groups come out mixed.
-    Demonstrations whose turns do not fit --max-new-tokens are left out, and counted.
+    Demonstrations (--demos, agentrl.gold_turns) whose turns do not fit --max-new-tokens are left
+    out, and counted; so is one cut by --max-context before it submits (sft_dropped).
     """
     def fits(task):
         return all(len(tokenizer(turn, add_special_tokens=False).input_ids) < limits.max_new_tokens
-                   for turn in agentrl.gold_turns(task))
+                   for turn in agentrl.gold_turns(task, args.demos, limits.max_turns))
     demo_tasks = [task for task in train_tasks if fits(task)]
     if not demo_tasks:
         raise SystemExit(f"--sft-steps: no gold demonstration fits --max-new-tokens {limits.max_new_tokens}; raise it")
-    print(f"sft: {len(demo_tasks)} demonstrations ({len(train_tasks) - len(demo_tasks)} left out: a turn exceeds --max-new-tokens)")
+    print(f"sft: {len(demo_tasks)} {args.demos} demonstrations ({len(train_tasks) - len(demo_tasks)} left out: "
+          f"a turn exceeds --max-new-tokens)")
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.sft_lr, weight_decay=args.weight_decay)
     device_type = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(device_type, enabled=use_grad_scaler)  # its own, like its optimizer
     rng = random.Random(args.seed + 1)
     for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True):
         t0 = time.time()
-        batch = [agentrl.scripted_trajectory(tokenizer, task, agentrl.gold_turns(task), limits)
+        batch = [agentrl.demonstration(tokenizer, task, args.demos, limits)
                  for task in rng.sample(demo_tasks, min(args.sft_batch_size, len(demo_tasks)))]
+        dropped = sum(t.stop_reason != "submitted" for t in batch)    # cut by --max-context before submitting
+        batch = [t for t in batch if t.stop_reason == "submitted"]
+        if not batch:
+            raise SystemExit(f"--sft-steps: the demonstrations do not fit --max-context {limits.max_context}; raise it")
         stats = grpo.sft_step(model, optimizer, batch, config, scaler)
-        append_jsonl(metrics_path, {"sft_step": step, **stats, "time_step": time.time() - t0})
+        append_jsonl(metrics_path, {"sft_step": step, **stats, "sft_dropped": dropped, "time_step": time.time() - t0})
         if step % 4 == 0 or step == args.sft_steps:
             tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in stats.items()))
@@ -256,8 +277,22 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
 
 
 # ----------------------------------------------------------------------------- evaluation
+def behaviour(trajectories):
+    """What the agent does, counted: how often it submits; of its submissions, how many are a query
+    that fails to run (often one whose last run just failed: submitted anyway); how often it looks
+    at a table with describe_table; the turns it takes to submit. None where nothing was submitted."""
+    submitted = [t for t in trajectories if t.stop_reason == "submitted"]
+    return {
+        "submit_rate": len(submitted) / len(trajectories),
+        "failed_submit_rate": sum(t.failed_submission for t in submitted) / len(submitted) if submitted else None,
+        "describe_rate": sum(t.num_describe_calls > 0 for t in trajectories) / len(trajectories),
+        "turns_to_submit": sum(t.num_turns for t in submitted) / len(submitted) if submitted else None,
+    }
+
+
 def evaluate(model, tokenizer, tasks, limits, batch_groups=32):
-    """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors."""
+    """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
+    and the behaviour counters."""
     greedy = agentrl.Sampling(greedy=True)
     trajectories = []
     for i in range(0, len(tasks), batch_groups):
@@ -273,13 +308,42 @@ def evaluate(model, tokenizer, tasks, limits, batch_groups=32):
         "eval_mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
         "eval_tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(calls, 1),
         "eval_tasks": len(trajectories),
+        **{"eval_" + k: v for k, v in behaviour(trajectories).items()},
     }
 
 
+def evaluate_splits(model, tokenizer, eval_sets, limits):
+    """One evaluation record for every held-out split: the first split's metrics under the eval_*
+    keys every reader knows (plot, summary, bench.py learn), each other split's under its own name
+    (eval_accuracy -> test_schema_accuracy), and eval_split naming the first."""
+    record = {}
+    for i, (split, tasks) in enumerate(eval_sets.items()):
+        metrics = evaluate(model, tokenizer, tasks, limits)
+        record.update(metrics if i == 0 else {split + k[len("eval"):]: v for k, v in metrics.items()})
+    return {"eval_split": next(iter(eval_sets)), **record}
+
+
+def split_metrics(record, split):
+    """One split's metrics from an evaluation record, under the eval_* keys."""
+    suffixes = [k[len("eval"):] for k in record if k.startswith("eval_") and k != "eval_split"]
+    name = "eval" if split == record.get("eval_split", split) else split
+    return {"eval" + suffix: record[name + suffix] for suffix in suffixes if name + suffix in record}
+
+
 def format_eval(metrics):
+    def rate(key):
+        return "-" if metrics.get(key) is None else f"{metrics[key]:.2f}"
     tiers = " ".join(f"{tier}={acc:.2f}" for tier, acc in metrics["eval_accuracy_by_tier"].items())
     return (f"accuracy={metrics['eval_accuracy']:.3f} ({metrics['eval_tasks']} tasks) | {tiers} | "
-            f"turns={metrics['eval_mean_turns']:.2f} | tool_error_rate={metrics['eval_tool_error_rate']:.2f}")
+            f"turns={metrics['eval_mean_turns']:.2f} | tool_error_rate={metrics['eval_tool_error_rate']:.2f} | "
+            f"failed_submit_rate={rate('eval_failed_submit_rate')} | describe_rate={rate('eval_describe_rate')} | "
+            f"turns_to_submit={rate('eval_turns_to_submit')}")
+
+
+def format_evals(record, splits):
+    """One line per held-out split."""
+    width = max(map(len, splits)) + 1
+    return "\n".join(f"  {split + ':':<{width}} {format_eval(split_metrics(record, split))}" for split in splits)
 
 
 # ----------------------------------------------------------------------------- judge
@@ -318,7 +382,12 @@ def plot_run(run_dir):
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean)")
     ax.plot([r["step"] for r in train], [r["train_accuracy"] for r in train], label="train accuracy")
-    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-", label="held-out accuracy (greedy)")
+    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
+            label=f"held-out accuracy, {evals[0].get('eval_split', 'eval')} (greedy)" if evals else "held-out accuracy")
+    others = [k for k in (evals[0] if evals else {}) if k.endswith("_accuracy") and k != "eval_accuracy"]
+    for key in others:            # the other held-out splits (test_schema_accuracy, ...)
+        ax.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "s--",
+                label=f"held-out accuracy, {key[:-len('_accuracy')]} (greedy)")
     ax.set_xlabel("step")
     ax.legend()
     ax.grid(alpha=0.3)
@@ -350,15 +419,17 @@ def run(args):
         lora.load_adapter(model, args.adapter)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
 
-    # 2) data: train tasks grouped by tier, a fixed held-out subset for evaluation
-    eval_tasks = sql_env.load_tasks(args.data, args.eval_split)
-    if args.eval_size:
-        eval_tasks = random.Random(args.seed).sample(eval_tasks, min(args.eval_size, len(eval_tasks)))
+    # 2) data: train tasks grouped by tier, a fixed held-out subset of each evaluation split (the
+    #    same seed draws the same positions: test and test_schema get the same questions)
+    eval_sets = {}
+    for split in args.eval_splits:
+        tasks = sql_env.load_tasks(args.data, split)
+        eval_sets[split] = random.Random(args.seed).sample(tasks, min(args.eval_size, len(tasks))) if args.eval_size else tasks
     limits = agentrl.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
     if args.eval_only:
-        metrics = evaluate(model, tokenizer, eval_tasks, limits)
-        print(f"eval on {args.data}/{args.eval_split}: {format_eval(metrics)}")
-        return metrics
+        record = evaluate_splits(model, tokenizer, eval_sets, limits)
+        print(f"eval on {args.data}:\n{format_evals(record, args.eval_splits)}")
+        return record
     train_tasks = sql_env.load_tasks(args.data, args.train_split)
     tasks_by_tier = {}
     for task in train_tasks:
@@ -377,7 +448,7 @@ def run(args):
         print(f"resumed from {folder} at step {start_step}")
     else:
         start_step, tier_stats = 0, {}
-        start_run(args, model, tokenizer, eval_tasks, train_tasks, limits, config, precision)
+        start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, precision)
         save_checkpoint(args.out, model, optimizer, scaler, 0, tier_stats)
 
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
@@ -418,9 +489,9 @@ def run(args):
 
         # 7) evaluate and checkpoint
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            metrics = evaluate(model, tokenizer, eval_tasks, limits)
-            append_jsonl(metrics_path, {"step": step, **metrics})
-            tqdm.write(f"eval step {step}: {format_eval(metrics)}")
+            record = evaluate_splits(model, tokenizer, eval_sets, limits)
+            append_jsonl(metrics_path, {"step": step, **record})
+            tqdm.write(f"eval step {step}:\n{format_evals(record, args.eval_splits)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
             save_checkpoint(args.out, model, optimizer, scaler, step, tier_stats)
         plot_run(args.out)
@@ -428,15 +499,15 @@ def run(args):
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < args.steps:
-        metrics = evaluate(model, tokenizer, eval_tasks, limits)
-        append_jsonl(metrics_path, {"step": args.steps, **metrics})
+        record = evaluate_splits(model, tokenizer, eval_sets, limits)
+        append_jsonl(metrics_path, {"step": args.steps, **record})
     final_dir = os.path.join(args.out, "final")
     lora.save_adapter(model, final_dir)
     plot_run(args.out)
     return print_summary(args, metrics_path, final_dir)
 
 
-def start_run(args, model, tokenizer, eval_tasks, train_tasks, limits, config, precision):
+def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, precision):
     """A fresh run: clear an earlier run's checkpoints in --out, write the config, evaluate the
     base model, then (--sft-steps) warm start and evaluate again."""
     metrics_path = os.path.join(args.out, "metrics.jsonl")
@@ -445,14 +516,14 @@ def start_run(args, model, tokenizer, eval_tasks, train_tasks, limits, config, p
         shutil.rmtree(os.path.join(args.out, "checkpoints"))
     write_text_atomic(metrics_path, "")
     write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
-    metrics = evaluate(model, tokenizer, eval_tasks, limits)
-    append_jsonl(metrics_path, {"step": 0, "phase": "base", **metrics})
-    print(f"eval step 0 (base model): {format_eval(metrics)}")
+    record = evaluate_splits(model, tokenizer, eval_sets, limits)
+    append_jsonl(metrics_path, {"step": 0, "phase": "base", **record})
+    print(f"eval step 0 (base model):\n{format_evals(record, args.eval_splits)}")
     if args.sft_steps:
         warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
-        metrics = evaluate(model, tokenizer, eval_tasks, limits)
-        append_jsonl(metrics_path, {"step": 0, "phase": "sft", **metrics})
-        print(f"eval step 0 (after {args.sft_steps} SFT steps): {format_eval(metrics)}")
+        record = evaluate_splits(model, tokenizer, eval_sets, limits)
+        append_jsonl(metrics_path, {"step": 0, "phase": "sft", **record})
+        print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 
 
 def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
@@ -489,6 +560,7 @@ def step_record(step, groups, rewards, counts, stats, **extra):
         "submitted_groups": len(groups),
         "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
         "tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(1, sum(t.num_tool_calls for t in trajectories)),
+        **behaviour(trajectories),
         "gen_tokens": sum(sum(t.assistant_mask) for t in trajectories),
         **extra,
         **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
@@ -516,9 +588,14 @@ def print_summary(args, metrics_path, final_dir):
     evals = [r for r in records if "eval_accuracy" in r]
     print("\n" + "=" * 72)
     labels = [r.get("phase") or f"step {r['step']}" for r in evals]
-    path = " -> ".join(f"{r['eval_accuracy']:.3f} ({label})" for r, label in zip(evals, labels))
-    print(f"held-out accuracy: {path}   ({evals[-1]['eval_tasks']} tasks, greedy)")
-    print(f"final eval: {format_eval(evals[-1])}")
+    width = max(map(len, args.eval_splits)) + 1
+    print("held-out accuracy (greedy):")
+    for split in args.eval_splits:
+        per_split = [(split_metrics(r, split), label) for r, label in zip(evals, labels)]
+        per_split = [(m, label) for m, label in per_split if m]          # a record from before this split was added
+        path = " -> ".join(f"{m['eval_accuracy']:.3f} ({label})" for m, label in per_split)
+        print(f"  {split + ':':<{width}} {path}   ({per_split[-1][0]['eval_tasks']} tasks)")
+    print(f"final eval:\n{format_evals(evals[-1], args.eval_splits)}")
     steps = [r for r in records if "reward_mean" in r]
     print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
           f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")

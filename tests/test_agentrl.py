@@ -290,15 +290,26 @@ def test_real_environment_round_trip(tiny_llama, smol_tokenizer):
     assert good.messages[-3]["role"] == "tool" and "Error" not in good.messages[-3]["content"]
 
 
-@pytest.mark.parametrize("kind,tok", [("llama", "smol_tokenizer"), ("qwen2", "qwen_tokenizer")])
-def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, tiny_model_factory, request):
-    """SFT demonstrations must carry exactly the tokens and masks a rollout of the same actions
-    records, or the warm start teaches a format the policy never sees while sampling."""
+def demo_tasks():
+    """Train tasks for demonstrations: a one-table and a two-table query, each on a non-original
+    rendering (a recover demonstration misnames a table of each)."""
     import sql_env
+    tasks = [t for t in sql_env.load_tasks()[:100] if "plain" not in t.db_path]
+    return [next(t for t in tasks if len(sql_env.tables_read(t.db_path, t.gold_sql)) == k
+                 and len(agentrl.gold_turns(t, "recover")) == 4) for k in (1, 2)]
+
+
+@pytest.mark.parametrize("kind,tok,demos", [("llama", "smol_tokenizer", "look"), ("llama", "smol_tokenizer", "plain"),
+                                            ("llama", "smol_tokenizer", "recover"), ("qwen2", "qwen_tokenizer", "look"),
+                                            ("qwen2", "qwen_tokenizer", "recover")])
+def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, demos, tiny_model_factory, request):
+    """SFT demonstrations must carry exactly the tokens and masks a rollout of the same actions
+    records, or the warm start teaches a format the policy never sees while sampling: for every
+    kind of demonstration (describe_table observations, an error observation and its fix)."""
     tokenizer = request.getfixturevalue(tok)
-    tasks = sql_env.load_tasks()[:2]
-    limits = agentrl.Limits(max_turns=4, max_new_tokens=160)
-    turns = [agentrl.gold_turns(task) for task in tasks]
+    tasks = demo_tasks()
+    limits = agentrl.Limits(max_turns=5, max_new_tokens=160)
+    turns = [agentrl.gold_turns(task, demos, limits.max_turns) for task in tasks]
     groups = agentrl.rollout_groups(tiny_model_factory(kind), tokenizer, tasks, 1, agentrl.Sampling(seed=0), limits,
                                     forced_turns=turns)
     for task, task_turns, group in zip(tasks, turns, groups):
@@ -307,7 +318,10 @@ def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, tiny_model_fac
         assert scripted.token_ids == rolled.token_ids
         assert scripted.assistant_mask == rolled.assistant_mask
         assert scripted.messages == rolled.messages
-        assert scripted.correct and rolled.correct and scripted.stop_reason == "submitted" and scripted.num_turns == 3
+        assert (scripted.num_describe_calls, scripted.failed_submission) == (rolled.num_describe_calls, False)
+        assert scripted.correct and rolled.correct and scripted.stop_reason == "submitted"
+        assert scripted.num_turns == len(task_turns) == {"plain": 3, "look": 3 + scripted.num_describe_calls,
+                                                         "recover": 4}[demos]
 
 
 # ----------------------------------------------------------------------------- the KV cache
@@ -350,3 +364,43 @@ def test_kv_cache_row_copy_growth_and_drop_equal_a_plain_forward(tiny_llama):
                     fresh = tiny_llama(input_ids=torch.tensor([row])).logits[0, -1]
                     torch.testing.assert_close(logits[b], fresh, rtol=1e-4, atol=1e-4)
     assert cache.layers[0].keys.shape[-2] >= mask.shape[1] > 8, "the cache grew past its first capacity"
+
+
+
+
+def test_demonstrations_count_what_they_show(smol_tokenizer):
+    """The behaviour counters on scripted trajectories: a look demonstration describes each table
+    its query reads, within the turn budget; a recover demonstration gets one error, fixes it,
+    and submits a query that runs; a trajectory that submits a failing query is counted as a
+    failed submission. Turns to submission are the demonstration's length."""
+    import sql_env
+    one, two = demo_tasks()
+    for task, tables in [(one, 1), (two, 2)]:
+        look = agentrl.demonstration(smol_tokenizer, task, "look", agentrl.Limits(max_turns=6))
+        assert look.num_describe_calls == tables and look.num_turns == 3 + tables and look.num_tool_errors == 0
+        assert not look.failed_submission and look.correct
+    budget = agentrl.demonstration(smol_tokenizer, two, "look", agentrl.Limits(max_turns=4))
+    assert budget.num_describe_calls == 1 and budget.num_turns == 4
+    described = sql_env.tables_read(two.db_path, two.gold_sql)[0]
+    assert f'"table": "{described}"' in budget.messages[-6]["content"]
+    recover = agentrl.demonstration(smol_tokenizer, two, "recover", agentrl.Limits(max_turns=4))
+    assert recover.num_tool_errors == 1 and recover.num_turns == 4 and recover.num_describe_calls == 0
+    assert "no such table" in recover.messages[-5]["content"] and not recover.failed_submission and recover.correct
+    wrong = json.loads(agentrl.TOOL_CALL_RE.search(recover.messages[-6]["content"]).group(1))["arguments"]["query"]
+    failing = agentrl.scripted_trajectory(smol_tokenizer, two, [agentrl.gold_turns(two, "plain")[0],
+                                                                '<tool_call>' + json.dumps({"name": "submit_answer",
+                                                                "arguments": {"query": wrong}}) + '</tool_call>'])
+    assert failing.failed_submission and not failing.correct and failing.stop_reason == "submitted"
+
+
+def test_recover_demonstration_trains_on_the_fix_not_the_slip(smol_tokenizer):
+    """The warm start imitates only the turns that did not get an error back: the misnamed query's
+    tokens carry mask 0, every other turn's are trained exactly as a rollout records them."""
+    task = demo_tasks()[1]
+    limits = agentrl.Limits(max_turns=4)
+    turns = agentrl.gold_turns(task, "recover")
+    full = agentrl.scripted_trajectory(smol_tokenizer, task, turns, limits)
+    demo = agentrl.demonstration(smol_tokenizer, task, "recover", limits)
+    assert demo.token_ids == full.token_ids
+    trained = smol_tokenizer.decode([t for t, m in zip(demo.token_ids, demo.assistant_mask) if m])
+    assert trained == turns[0] + turns[2] + turns[3] and turns[1] not in trained

@@ -1,4 +1,5 @@
-"""Tests for retail.py: the embedded database and question set, and the held-out split.
+"""Tests for retail.py: the embedded database, its schema renderings, the question set, and the
+held-out splits.
 
 Everything writes under pytest's tmp folders (AGENTRL_CACHE is pointed there), nothing is downloaded.
 """
@@ -8,6 +9,8 @@ import re
 import sqlite3
 import time
 from collections import Counter
+
+import pytest
 
 import retail
 import sql_env
@@ -52,8 +55,8 @@ def test_database_is_realistic(db):
 
 
 def test_split_sizes_and_tiers(splits):
-    """Enough questions in every tier of both splits: the trainer samples tasks by tier."""
-    assert len(splits["train"]) >= 1000 and len(splits["test"]) >= 200
+    """Enough questions in every tier of every split: the trainer samples tasks by tier."""
+    assert len(splits["train"]) >= 1000 and len(splits["test"]) >= 200 and len(splits["test_schema"]) >= 200
     for tasks in splits.values():
         counts = Counter(t.difficulty for t in tasks)
         assert set(counts) == set(sql_env.TIERS) and min(counts.values()) >= 40
@@ -72,7 +75,7 @@ def test_question_set_is_deterministic_and_fast(cache, splits):
 
 def test_every_gold_query_runs_and_is_not_empty(splits):
     """A question whose gold SQL fails or returns nothing cannot be answered right."""
-    for task in splits["train"] + splits["test"]:
+    for task in [t for tasks in splits.values() for t in tasks]:
         columns, rows = run_query(task.db_path, task.gold_sql)
         assert rows and any(v not in (None, 0) for v in rows[0]), task
 
@@ -94,13 +97,14 @@ def literals(sql):
     return {s for s in re.findall(r"'[^']*'|\b\d+\b", sql) if not s.startswith("'%")}
 
 
-def test_test_split_is_held_out(splits):
-    """No test question, gold query or value appears in train, so test accuracy is not memorization."""
-    train, test = splits["train"], splits["test"]
-    assert not {t.question for t in train} & {t.question for t in test}
-    assert not {t.gold_sql for t in train} & {t.gold_sql for t in test}
-    train_values = set().union(*(literals(t.gold_sql) for t in train))
-    test_values = set().union(*(literals(t.gold_sql) for t in test))
+def test_test_split_is_held_out(cache):
+    """No test question, gold query or value appears in train, so test accuracy is not memorization.
+    Compared on rendering 0, where the regex above reads the original column names."""
+    train, test = retail.questions()["train"], retail.questions()["test"]
+    assert not {q.text for q in train} & {q.text for q in test}
+    assert not {q.golds[0] for q in train} & {q.golds[0] for q in test}
+    train_values = set().union(*(literals(q.golds[0]) for q in train))
+    test_values = set().union(*(literals(q.golds[0]) for q in test))
     assert test_values and not train_values & test_values
 
 
@@ -120,9 +124,87 @@ def constructs(sql):
     return set(re.findall(r"\b[A-Z][A-Z_]+\b|\b[a-z_]+\(", sql)) | {f"{sql.count(' JOIN ')} joins"}
 
 
-def test_test_needs_no_construct_unseen_in_train(splits):
+def test_test_needs_no_construct_unseen_in_train(cache):
     """Test combines SQL skills that train teaches; a construct never seen in train measures nothing."""
-    train = set().union(*(constructs(t.gold_sql) for t in splits["train"]))
-    test = set().union(*(constructs(t.gold_sql) for t in splits["test"]))
+    train = set().union(*(constructs(q.golds[0]) for q in retail.questions()["train"]))
+    test = set().union(*(constructs(q.golds[0]) for q in retail.questions()["test"]))
     assert test <= train, test - train
     assert len(retail.HELD_OUT_TEMPLATES) >= 1
+
+
+# ----------------------------------------------------------------------------- schema renderings
+def result(con, sql):
+    """A query's answer as the scorer compares it: a list under ORDER BY, else a multiset."""
+    rows = con.execute(sql).fetchall()
+    return rows if "ORDER BY" in sql else Counter(rows)
+
+
+def test_every_gold_result_is_the_same_under_every_rendering(cache):
+    """Each question's gold SQL, made from its template for every rendering, returns on that
+    rendering's database what rendering 0's returns: the renderings are one world under other
+    names, so a question keeps its answer whichever schema it is asked on."""
+    cons = [sqlite3.connect(retail.database_path(rendering=r)) for r in range(len(retail.RENDERINGS))]
+    for q in retail.questions()["train"] + retail.questions()["test"]:
+        assert len(set(q.golds)) == len(cons), f"two renderings gave the same SQL: {q.golds}"
+        expected = result(cons[0], q.golds[0])
+        for con, gold in zip(cons[1:], q.golds[1:]):
+            assert result(con, gold) == expected, (q.golds[0], gold)
+
+
+def test_held_out_rendering_shares_no_table_name_with_training(cache):
+    """The held-out schema's tables are named as in no training rendering (SQLite names ignore
+    case), so remembering a training schema cannot answer test_schema: only reading it can."""
+    def tables(rendering):
+        return {name.lower() for name in retail.names(rendering)[0].values()}
+    held_out = tables(retail.HELD_OUT_RENDERING)
+    assert len(held_out) == 7 and retail.HELD_OUT_RENDERING not in retail.TRAIN_RENDERINGS
+    for r in retail.TRAIN_RENDERINGS:
+        assert not held_out & tables(r), retail.RENDERINGS[r][0]
+    with sqlite3.connect(retail.database_path(rendering=retail.HELD_OUT_RENDERING)) as con:
+        actual = {row[0].lower() for row in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    assert actual == held_out
+
+
+def test_renderings_keep_keys_and_rename_foreign_keys_to_match(cache):
+    """Every rendering is the same schema: the same row counts, primary keys and foreign keys,
+    each foreign key naming its rendering's table and a column that exists there."""
+    shapes = []
+    for r in range(len(retail.RENDERINGS)):
+        con, tables = sqlite3.connect(retail.database_path(rendering=r)), retail.names(r)[0]
+        shape = []
+        for logical, physical in tables.items():
+            columns = {c[1] for c in con.execute(f"PRAGMA table_info({physical})")}
+            keys = con.execute(f"PRAGMA foreign_key_list({physical})").fetchall()
+            for key in keys:                     # (id, seq, table, from, to, ...)
+                target = {c[1] for c in con.execute(f"PRAGMA table_info({key[2]})")}
+                assert key[2] in tables.values() and key[3] in columns and key[4] in target, (r, physical, key)
+            shape.append((con.execute(f"SELECT COUNT(*) FROM {physical}").fetchone()[0], len(columns), len(keys),
+                          sum(c[5] > 0 for c in con.execute(f"PRAGMA table_info({physical})"))))
+        shapes.append(shape)
+    assert all(shape == shapes[0] for shape in shapes)
+
+
+def test_splits_use_their_renderings(splits):
+    """train spreads over the training renderings about evenly and never touches the held-out one;
+    test is rendering 0 (today's names, comparable with earlier results); test_schema asks the
+    test questions, in the same order, on the held-out rendering."""
+    paths = {r: retail.database_path(rendering=r) for r in range(len(retail.RENDERINGS))}
+    counts = Counter(t.db_path for t in splits["train"])
+    assert set(counts) == {paths[r] for r in retail.TRAIN_RENDERINGS}
+    assert max(counts.values()) - min(counts.values()) <= 1
+    assert {t.db_path for t in splits["test"]} == {paths[0]}
+    assert {t.db_path for t in splits["test_schema"]} == {paths[retail.HELD_OUT_RENDERING]}
+    pairs = list(zip(splits["test"], splits["test_schema"]))
+    assert len(splits["test"]) == len(splits["test_schema"])
+    assert all(a.question == b.question and a.difficulty == b.difficulty and a.gold_sql != b.gold_sql for a, b in pairs)
+
+
+def test_markers_resolve_or_fail_loudly():
+    """A template names tables and columns with markers; an alias must be declared, a name must
+    exist: a typo in a template is an error at generation, not a query that silently fails."""
+    template = "SELECT [c.first_name], COUNT(*) FROM [customers] AS c WHERE [customers.city] = '{city}'"
+    assert retail.resolve(template, 0) == "SELECT c.first_name, COUNT(*) FROM customers AS c WHERE city = '{city}'"
+    assert retail.resolve(template, 2) == "SELECT c.given_name, COUNT(*) FROM clients AS c WHERE town = '{city}'"
+    for bad in ["SELECT [x.first_name] FROM [customers] AS c", "SELECT [customers.nope] FROM [customers]"]:
+        with pytest.raises((AssertionError, KeyError)):
+            retail.resolve(bad, 1)

@@ -106,6 +106,43 @@ def test_broken_gold_is_recorded_not_raised(db):
     assert not env.correct and "no such table" in env.gold_error
 
 
+def test_behaviour_is_counted(db):
+    """The environment records what the agent did, not only whether it was right: describe_table
+    calls (a wrong name included) and whether the submitted query itself failed to run. A query
+    that runs but answers wrong, or returns too many rows, is a wrong answer, not a failed one."""
+    env = env_for(db)
+    env.call("describe_table", {"table": "customers"})
+    env.call("describe_table", {"table": "custmers"})
+    env.call("run_sql", {"query": "SELECT COUNT(*) FROM customer"})
+    env.call("submit_answer", {"query": "SELECT COUNT(*) FROM customer"})
+    assert env.num_describe_calls == 2 and env.done and not env.correct
+    assert "no such table: customer" in env.submit_error
+    for query, correct in [("SELECT COUNT(*) FROM orders", False), ("SELECT * FROM customers", False),
+                           ("SELECT COUNT(*) FROM customers", True)]:
+        ran = env_for(db)
+        ran.call("submit_answer", {"query": query})
+        assert ran.submit_error is None and ran.num_describe_calls == 0 and ran.correct is correct
+
+
+def test_tables_read_finds_what_a_query_reads_without_running_it(db):
+    """tables_read names every table a query reads (COUNT(*), joins, subqueries; not CTE names or
+    aliases), in the order the query names them, and compiles the query without running it: an
+    endless query answers at once. A query that does not compile is an SQLError."""
+    assert sql_env.tables_read(db, "SELECT COUNT(*) FROM customers") == ["customers"]
+    assert sql_env.tables_read(db, "SELECT COUNT(*) FROM orders AS o JOIN stores AS s ON o.store_id = s.store_id "
+                                   "WHERE s.city = 'Paris'") == ["orders", "stores"]
+    assert sql_env.tables_read(db, "SELECT first_name FROM customers WHERE customer_id NOT IN "
+                                   "(SELECT customer_id FROM orders)") == ["customers", "orders"]
+    assert sql_env.tables_read(db, "WITH x AS (SELECT * FROM Products) SELECT COUNT(*) FROM x") == ["products"]
+    assert sql_env.tables_read(db, "SELECT 1") == []
+    start = time.monotonic()
+    endless = "WITH RECURSIVE r(n) AS (SELECT 1 UNION ALL SELECT n + 1 FROM r) SELECT COUNT(*) FROM r, orders"
+    assert sql_env.tables_read(db, endless) == ["orders"] and time.monotonic() - start < 1.0
+    for bad in ["SELECT * FROM customer", "SELEC 1", "DELETE FROM orders"]:
+        with pytest.raises(SQLError):
+            sql_env.tables_read(db, bad)
+
+
 # ----------------------------------------------------------------------------- execution match
 @pytest.mark.parametrize("pred, gold, expected", [
     ("SELECT name FROM categories", "SELECT name FROM categories ORDER BY category_id", True),  # same order

@@ -63,7 +63,13 @@ def test_two_steps_change_the_lora_weights(tiny_model_dir, tmp_path, scripted_ju
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["trainable_groups"] == 2 and not r["skipped"] for r in steps), steps
-    assert sum("eval_accuracy" in r for r in records) == 2, "eval before and after"
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert len(evals) == 2, "eval before and after"
+    for r in evals:   # both held-out splits in each evaluation record, the first under eval_*
+        assert r["eval_split"] == "test" and r["eval_tasks"] == r["test_schema_tasks"] == 2
+        assert {"eval_failed_submit_rate", "eval_describe_rate", "eval_turns_to_submit", "test_schema_accuracy",
+                "test_schema_failed_submit_rate", "test_schema_describe_rate"} <= set(r)
+    assert all({"submit_rate", "failed_submit_rate", "describe_rate", "turns_to_submit"} <= set(r) for r in steps)
     lora_b = {k: v for k, v in adapter_tensors(out / "final").items() if "lora_B" in k}
     assert lora_b and any(v.abs().max() > 0 for v in lora_b.values()), "B starts at zero and must have moved"
     lines = open(out / "trajectories" / "step_0002.jsonl").read().splitlines()
@@ -137,6 +143,9 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
     (["--sft-steps", "4", "--max-turns", "2"], "max-turns"),
+    (["--sft-steps", "4", "--max-turns", "3"], "max-turns"),          # look demonstrations take 4 turns
+    (["--sft-steps", "4", "--max-turns", "2", "--demos", "plain"], "max-turns"),
+    (["--eval-split", " , "], "eval-split"),
 ])
 def test_bad_arguments_fail_fast(argv, message, capsys):
     """Bad flags stop before any model is loaded, with a message naming the flag."""
@@ -170,10 +179,10 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
     step-0 checkpoint (so RL, and a resume, start from it), and evaluates before and after."""
     out = tmp_path / "run"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--sft-steps", "2", "--sft-batch-size", "2",
-                         "--max-new-tokens", "130", "--max-turns", "3"))
+                         "--max-new-tokens", "130", "--max-turns", "4"))
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["sft_step"] for r in records if "sft_step" in r] == [1, 2]
-    assert all(r["sft_loss"] > 0 and not r["skipped"] for r in records if "sft_step" in r)
+    assert all(r["sft_loss"] > 0 and not r["skipped"] and r["sft_dropped"] == 0 for r in records if "sft_step" in r)
     assert [r.get("phase") for r in records if "eval_accuracy" in r] == ["base", "sft", None]
     sft_b = [v for k, v in adapter_tensors(out / "sft").items() if "lora_B" in k]
     assert any(v.abs().max() > 0 for v in sft_b), "SFT must move the adapter"
@@ -183,7 +192,7 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
 def test_warm_start_with_no_fitting_demonstration_is_a_clear_error(tiny_model_dir, tmp_path):
     """Demonstrations longer than --max-new-tokens cannot be imitated: say so instead of looping."""
     with pytest.raises(SystemExit, match="no gold demonstration fits"):
-        train.main(tiny_args(tiny_model_dir, tmp_path / "r", "--sft-steps", "1", "--max-turns", "3", "--judge", "none"))
+        train.main(tiny_args(tiny_model_dir, tmp_path / "r", "--sft-steps", "1", "--max-turns", "4", "--judge", "none"))
 
 
 def test_only_the_newest_checkpoints_stay(tiny_model_dir, tmp_path):
@@ -194,3 +203,32 @@ def test_only_the_newest_checkpoints_stay(tiny_model_dir, tmp_path):
     assert (out / "checkpoints" / "latest").read_text() == "step_0003"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--judge", "none"))  # a new run in the same folder
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000", "step_0001"]
+
+
+def test_behaviour_counts_by_hand():
+    """The behaviour counters of an evaluation or a step: of 4 trajectories, 3 submit (one of them a
+    query that fails to run), 2 call describe_table; turns to submission average the 3 submitters.
+    Nothing submitted: the per-submission figures are None, not a made-up 0."""
+    from agentrl import Trajectory
+
+    def traj(stop, turns, describes, failed):
+        return Trajectory("t", [], [], [], [], None, False, stop, turns, turns, 0, describes, failed)
+    trajectories = [traj("submitted", 2, 0, True), traj("submitted", 4, 1, False), traj("submitted", 3, 2, False),
+                    traj("max_turns", 4, 0, False)]
+    assert train.behaviour(trajectories) == {"submit_rate": 0.75, "failed_submit_rate": 1 / 3, "describe_rate": 0.5,
+                                             "turns_to_submit": 3.0}
+    none = train.behaviour([traj("max_turns", 4, 1, False)])
+    assert none["failed_submit_rate"] is None and none["turns_to_submit"] is None and none["describe_rate"] == 1.0
+
+
+def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
+    """--eval-split names either held-out split (or both); the first one's metrics are the eval_*
+    keys, and the printout has one line per split. Both splits draw the same question positions."""
+    args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only", "--eval-split", "test_schema"))
+    record = train.run(args)
+    assert record["eval_split"] == "test_schema" and record["eval_tasks"] == 2 and "test_accuracy" not in record
+    both = train.run(train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only")))
+    assert both["eval_split"] == "test" and both["test_schema_tasks"] == 2
+    assert train.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
+    out = capsys.readouterr().out
+    assert "  test:        accuracy=" in out and "  test_schema: accuracy=" in out and "failed_submit_rate=" in out
