@@ -474,7 +474,8 @@ def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) 
 DEMO_KINDS = {"look": 4, "plain": 3, "recover": 4}
 
 
-def _call(name, arguments) -> str:
+def tool_call_text(name, arguments) -> str:
+    """One tool call as the agent writes it: `<tool_call>{"name": ..., "arguments": {...}}</tool_call>`."""
     return "<tool_call>" + json.dumps({"name": name, "arguments": arguments}) + "</tool_call>"
 
 
@@ -491,16 +492,17 @@ def gold_turns(task, kind="look", max_turns=None) -> list[str]:
     The gold query is assumed to run (the embedded set checks every one)."""
     assert kind in DEMO_KINDS, f"demonstration kind {kind!r}: one of {', '.join(DEMO_KINDS)}"
     assert max_turns is None or max_turns >= DEMO_KINDS[kind], f"a {kind} demonstration needs {DEMO_KINDS[kind]} turns"
-    run, submit = _call("run_sql", {"query": task.gold_sql}), _call("submit_answer", {"query": task.gold_sql})
-    look_first = [_call("list_tables", {})]
+    run = tool_call_text("run_sql", {"query": task.gold_sql})
+    submit = tool_call_text("submit_answer", {"query": task.gold_sql})
+    look_first = [tool_call_text("list_tables", {})]
     if kind == "look":
         tables = tables_read(task.db_path, task.gold_sql)
         room = len(tables) if max_turns is None else max_turns - 3
-        look_first += [_call("describe_table", {"table": t}) for t in tables[:room]]
+        look_first += [tool_call_text("describe_table", {"table": t}) for t in tables[:room]]
     if kind == "recover":
         wrong = _misnamed(task)
         if wrong is not None:
-            look_first.append(_call("run_sql", {"query": wrong}))
+            look_first.append(tool_call_text("run_sql", {"query": wrong}))
     return look_first + [run, submit]
 
 

@@ -244,15 +244,13 @@ def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group
     submit it in even rows, a wrong query in odd rows), so every group is mixed and carries
     signal whatever the random weights would sample. Returns [(step stats, seconds)], one per task."""
 
-    def call(name, sql):
-        return "<tool_call>" + json.dumps({"name": name, "arguments": {"query": sql}}) + "</tool_call>"
-
     limits = agentrl.Limits(max_turns=2, max_new_tokens=256, max_context=2048)
     steps = []
     for step, task in enumerate(tasks, 1):
         t0 = time.perf_counter()
-        forced = [[call("run_sql", task.gold_sql),
-                   call("submit_answer", task.gold_sql if j % 2 == 0 else "SELECT 'wrong'")] for j in range(group)]
+        forced = [[agentrl.tool_call_text("run_sql", {"query": task.gold_sql}),
+                   agentrl.tool_call_text("submit_answer", {"query": task.gold_sql if j % 2 == 0 else "SELECT 'wrong'"})]
+                  for j in range(group)]
         trajectories = agentrl.rollout_group(model, tokenizer, task, group, agentrl.Sampling(seed=step), limits,
                                              forced_turns=forced).trajectories
         (advantages,), _ = grpo.group_advantages([[float(t.correct) for t in trajectories]])
