@@ -4,8 +4,9 @@
     python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
-    python bench.py learn     # held-out accuracy: base, SFT, SFT + GRPO, and SFT for the same compute
-    python bench.py learn --lr 5e-4   # any other flag goes to train.py, for both arms
+    python bench.py update    # one SFT step: the lm_head at trained positions only, one sequence at a time
+    python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
+    python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
 
@@ -15,11 +16,14 @@ with the ratio: the machines are shared and noisy, so only ratios are worth quot
 import argparse
 import inspect
 import json
+import math
 import os
+import random
 import subprocess
 import sys
 import time
 
+import numpy as np
 import torch
 
 
@@ -297,85 +301,217 @@ def bench_memory(args):
                       "peak_gib": peak / 2**30, "seconds": time.time() - t0}))
 
 
+# ---------------------------------------------------------------- update (grpo.py)
+UPDATE_VARIANTS = {"all-mb4": ("every position", 4), "trained-mb4": ("trained positions", 4),
+                   "trained-mb1": ("trained positions", 1)}
+
+
+def bench_update(args):
+    """One supervised step on 4 `look` demonstrations of the embedded data, three ways: the lm_head
+    at every position in micro-batches of 4 (the earlier code), at trained positions only
+    (grpo.token_logprobs' positions=), and that one sequence at a time (the CPU default now).
+    Each variant in a fresh process (as bench_memory: VmHWM above the resident set just before the
+    steps); time is the mean of 3 steps after a warm-up, on the same demonstrations in every variant.
+    """
+    variant = os.environ.get(CHILD_VARIANT)
+    if variant is None:
+        results = {v: in_fresh_process(["update", "--seed", str(args.seed)], v) for v in UPDATE_VARIANTS}
+        base = results["all-mb4"]
+        print(f"\none SFT step, {base['batch']} | {base['device']}")
+        print(f"{'lm_head at':<20}{'micro-batch':>12}{'time':>9}{'vs earlier':>12}{'peak above baseline':>22}")
+        for v, (positions, mbs) in UPDATE_VARIANTS.items():
+            r = results[v]
+            print(f"{positions:<20}{mbs:>12}{r['seconds']:>8.1f}s{base['seconds'] / r['seconds']:>11.2f}x"
+                  f"{r['peak_gib']:>18.2f} GiB")
+        return
+
+    import agentrl
+    import grpo
+    import lora
+    import sql_env
+    positions, mbs = UPDATE_VARIANTS[variant]
+    model, tokenizer = lora.load_model()
+    lora.apply_lora(model, r=16)
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
+    limits = agentrl.Limits(max_turns=4, max_new_tokens=128, max_context=2048)
+    tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", "train"), 16)
+    batches = [[agentrl.demonstration(tokenizer, t, "look", limits) for t in tasks[i:i + 4]] for i in range(0, 16, 4)]
+    if positions == "every position":          # the earlier path: log-probs everywhere, the mask applied after
+        masked = grpo.token_logprobs
+        grpo.token_logprobs = lambda model, ids, attention, chunk_size=512, positions=None: masked(model, ids, attention,
+                                                                                                    chunk_size)
+    config, scaler = grpo.GRPOConfig(micro_batch_size=mbs), torch.amp.GradScaler("cpu", enabled=False)
+    grpo.sft_step(model, optimizer, batches[0], config, scaler)          # warm-up
+    reset_resident_peak()
+    base = resident_bytes("VmRSS")
+    t0 = time.perf_counter()
+    for batch in batches[1:]:
+        grpo.sft_step(model, optimizer, batch, config, scaler)
+    seconds = (time.perf_counter() - t0) / 3
+    tokens = sum(len(t.token_ids) for t in batches[1]), sum(sum(t.assistant_mask) for t in batches[1])
+    print(json.dumps({"seconds": seconds, "peak_gib": (resident_bytes("VmHWM") - base) / 2**30, "device": "cpu",
+                      "batch": f"4 demonstrations, {tokens[0]} tokens of which {tokens[1]} trained, LoRA r=16"}))
+
+
 # ---------------------------------------------------------------- learn (train.py)
+def paired_difference(before, after, resamples=10_000, seed=0):
+    """How much `after` beats `before` on the same tasks: per-task outcomes (0/1, paired by position).
+
+    Returns (mean difference, 95% interval, McNemar p). The interval is the paired bootstrap's:
+    resample tasks with replacement, keeping each task's two outcomes together, and take the
+    2.5th and 97.5th percentiles of the mean difference. McNemar's exact test looks only at the
+    discordant tasks (solved by one, not the other): under "no difference" each is a fair coin.
+    """
+    assert len(before) == len(after) > 0, "paired outcomes: the same tasks, in the same order"
+    diffs = np.array(after, dtype=float) - np.array(before, dtype=float)   # (n,) each in {-1, 0, 1}
+    rng = np.random.default_rng(seed)
+    means = diffs[rng.integers(0, len(diffs), (resamples, len(diffs)))].mean(1)   # (resamples,)
+    low, high = np.percentile(means, [2.5, 97.5])
+    gained, lost = int((diffs > 0).sum()), int((diffs < 0).sum())
+    n, k = gained + lost, min(gained, lost)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return float(diffs.mean()), (float(low), float(high)), p
+
+
+def pass_at_k(n, c, k):
+    """Unbiased pass@k from n samples of which c are right (Chen et al. 2021, arXiv:2107.03374):
+    1 - C(n - c, k) / C(n, k), the chance that k samples drawn from the n hold a right one."""
+    return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
+
+
+def headroom(adapter, tasks, k, seed, limits):
+    """pass@1 and pass@k at temperature 1 of an adapter on `tasks`: what RL could turn into greedy accuracy."""
+    import agentrl
+    import lora
+    model, tokenizer = lora.load_model(None)
+    lora.load_adapter(model, adapter)
+    correct = []
+    for i in range(0, len(tasks), 8):   # 8 tasks x k rows per batch
+        groups = agentrl.rollout_groups(model, tokenizer, tasks[i:i + 8], k, agentrl.Sampling(seed=seed + i), limits)
+        correct += [sum(t.correct for t in g.trajectories) for g in groups]
+    return (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
+
+
 def bench_learn(args):
-    """What does GRPO add over supervised learning? Held-out split, greedy, fixed seeds, one run:
+    """What does RL add over its own start, and over the controls? Held-out splits, greedy, paired.
 
-        base           the embedded model
-        SFT S          S warm-start steps on gold demonstrations
-        SFT S + GRPO G then G GRPO steps (judge none: reward = correctness)
-        SFT S + X      the fair control: SFT goes on instead, for X steps taking the GRPO steps' time
+        SFT start      S warm-start steps on gold demonstrations (one run, shared by every arm)
+        GRPO           G steps from the start (judge none: reward = correctness; train.py's defaults
+                       for task sampling, epochs, minibatches, unless flags say otherwise)
+        RFT            G steps of rejection-sampling fine-tuning from the start: the same rollouts'
+                       kind, a supervised step on the correct ones (--update rft)
+        SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
 
-    Both arms are train.py runs with the same seed, so they share the base evaluation and the
-    first S SFT steps exactly (same LoRA init, same demonstrations in the same order).
+    Every arm is evaluated on the whole of both held-out splits (--eval-size 0): per-task outcomes,
+    paired between arms, give each difference with a 95% interval (paired bootstrap) and McNemar's
+    p. The start's pass@k at temperature 1 on --pass-tasks test tasks is the headroom: greedy
+    accuracy RL could reach by making the policy pick, every time, what it already sometimes finds.
+    A finished SFT start in runs/bench_learn/sft with the same settings is reused.
     """
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    import agentrl
+    import sql_env
     import train
 
     if args.sft_steps < 1 or args.grpo_steps < 1:
-        raise SystemExit("bench.py learn compares SFT with GRPO: --sft-steps and --grpo-steps must be >= 1")
+        raise SystemExit("bench.py learn compares RL with SFT: --sft-steps and --grpo-steps must be >= 1")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
-    common = ["--eval-size", str(args.eval_size), "--seed", str(args.seed), "--judge", "none", *args.train_flags]
+    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", *args.train_flags]
 
     def records(arm):
         return [json.loads(line) for line in open(os.path.join(out, arm, "metrics.jsonl"))]
 
-    train.main(common + ["--sft-steps", str(args.sft_steps), "--steps", str(args.grpo_steps),
-                         "--out", os.path.join(out, "grpo")])
-    grpo = records("grpo")
-    grpo_s = sum(r["time_step"] for r in grpo if "reward_mean" in r)
-    sft_step_s = sum(r["time_step"] for r in grpo if "sft_step" in r) / args.sft_steps
-    extra = max(1, round(grpo_s / sft_step_s))
-    train.main(common + ["--sft-steps", str(args.sft_steps + extra), "--steps", "0", "--out", os.path.join(out, "control")])
-    control = records("control")
+    def finished(argv):   # a run of exactly these arguments completed
+        folder = train.parse_args(argv).out
+        try:
+            config = json.load(open(os.path.join(folder, "config.json")))
+        except (OSError, ValueError):
+            return False
+        return config == json.loads(json.dumps(vars(train.parse_args(argv)))) and os.path.isdir(os.path.join(folder, "final"))
 
-    evals = [r for r in grpo if "eval_accuracy" in r]
-    control_evals = [r for r in control if "eval_accuracy" in r]
-    agents = [("base", evals[0]), (f"SFT {args.sft_steps}", evals[1]),
-              (f"SFT {args.sft_steps} + GRPO {args.grpo_steps}", evals[-1]),
-              (f"SFT {args.sft_steps + extra} (control)", control_evals[-1])]
-    tiers = list(evals[0]["eval_accuracy_by_tier"])
-    print(f"\nlearn: {evals[0]['eval_tasks']} held-out tasks, greedy | GRPO phase {grpo_s:.0f} s = {extra} SFT steps "
-          f"of {sft_step_s:.1f} s")
+    # 1) the shared start
+    sft_argv = common + ["--sft-steps", str(args.sft_steps), "--steps", "0", "--seed", str(args.seed),
+                         "--out", os.path.join(out, "sft")]
+    if not finished(sft_argv):
+        train.main(sft_argv)
+    start = os.path.join(out, "sft", "final")
+    start_s = sum(r["time_step"] for r in records("sft") if "sft_step" in r) / args.sft_steps
+
+    # 2) the arms, each from the start
+    arm_flags = {f"GRPO {args.grpo_steps}": ["--steps", str(args.grpo_steps), "--seed", str(args.seed)],
+                 f"RFT {args.grpo_steps}": ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
+    folders = {name: name.split()[0].lower() for name in arm_flags}
+    for name, flags in arm_flags.items():
+        train.main(common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
+    grpo_steps = [r for r in records("grpo") if "reward_mean" in r]
+    grpo_s = sum(r["time_step"] for r in grpo_steps)
+    extra = max(1, round(grpo_s / start_s))
+    control = f"SFT +{extra} (control)"
+    folders[control] = "control"       # new demonstrations: the warm start's sampler under another seed
+    train.main(common + ["--adapter", start, "--sft-steps", str(extra), "--steps", "0", "--seed", str(args.seed + 1),
+                         "--out", os.path.join(out, "control")])
+
+    # 3) the table: every arm on both splits, then the paired differences
+    splits = json.load(open(os.path.join(out, "sft", "config.json")))["eval_splits"]
+    finals = {"SFT start": records("sft")[-1], **{name: records(folder)[-1] for name, folder in folders.items()}}
+    per_split = {name: {split: train.split_metrics(r, split) for split in splits} for name, r in finals.items()}
+    if args.pass_tasks:
+        config = json.load(open(os.path.join(out, "sft", "config.json")))
+        limits = agentrl.Limits(config["max_turns"], config["max_new_tokens"], config["max_context"])
+        tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", splits[0]), args.pass_tasks)
+        p1, pk = headroom(start, tasks, args.pass_k, args.seed, limits)
+    print(f"\nlearn: {per_split['SFT start'][splits[0]]['eval_tasks']} tasks per held-out split, greedy | SFT start "
+          f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s = {extra} SFT steps")
     run = json.load(open(os.path.join(out, "grpo", "config.json")))
     print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}, "
-          f"lr {run['lr']:g}, loss {run['loss']}; SFT lr {run['sft_lr']:g}, {run['sft_batch_size']} demonstrations per step")
-    print(f"{'agent':<26}{'accuracy':>9}" + "".join(f"{t:>8}" for t in tiers) + f"{'turns':>7}{'tool err':>9}")
-    for name, r in agents:
-        print(f"{name:<26}{r['eval_accuracy']:>9.3f}" + "".join(f"{r['eval_accuracy_by_tier'][t]:>8.2f}" for t in tiers)
-              + f"{r['eval_mean_turns']:>7.2f}{r['eval_tool_error_rate']:>9.2f}")
-    gain = 100 * (agents[2][1]["eval_accuracy"] - agents[3][1]["eval_accuracy"])
-    print(f"GRPO over the SFT control: {gain:+.1f} points (target >= +5)")
-    same_base = all(evals[0][k] == control_evals[0][k] for k in ("eval_accuracy", "eval_mean_turns", "eval_tool_error_rate"))
-    print(f"the two arms' base evaluations agree (same seed, same start): {'yes' if same_base else 'NO'}")
+          f"lr {run['lr']:g}, epochs {run['epochs']} x minibatches {run['minibatches']}, frontier share "
+          f"{run['frontier_share']}, loss {run['loss']}; SFT lr {run['sft_lr']:g}, {run['sft_batch_size']} per step")
+    header = "".join(f"{s + ' acc':>18}{'failed sub':>11}" for s in splits)
+    print(f"{'agent':<24}{header}{'turns':>7}")
+    for name, by_split in per_split.items():
+        cells = "".join(f"{m['eval_accuracy']:>18.3f}{m['eval_failed_submit_rate'] or 0:>11.2f}" for m in by_split.values())
+        print(f"{name:<24}{cells}{by_split[splits[0]]['eval_mean_turns']:>7.2f}")
+    if args.pass_tasks:
+        print(f"headroom of the start on {args.pass_tasks} {splits[0]} tasks at temperature 1: pass@1 {p1:.3f}, "
+              f"pass@{args.pass_k} {pk:.3f}")
+    grpo_name, rft_name = list(arm_flags)
+    comparisons = [(grpo_name, "SFT start"), (grpo_name, rft_name), (grpo_name, control), (rft_name, "SFT start"),
+                   (control, "SFT start")]
+    print("paired differences (points, 95% paired-bootstrap interval, McNemar p):")
+    for split in splits:
+        for a, b in comparisons:
+            ta, tb = per_split[a][split], per_split[b][split]
+            assert ta["eval_task_ids"] == tb["eval_task_ids"], "arms evaluated on different tasks"
+            mean, (low, high), p = paired_difference([int(c) for c in tb["eval_outcomes"]],
+                                                     [int(c) for c in ta["eval_outcomes"]])
+            print(f"  {split:<12} {a} - {b}: {100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]  p={p:.3f}")
 
-    # Why GRPO did (not) help: the signal it had. A group whose rewards are all equal has zero
-    # advantage; one optimizer step per batch keeps the ratio at 1, so clipping stays idle.
-    steps = [r for r in grpo if "reward_mean" in r]
-    groups = sum(r["submitted_groups"] for r in steps)
-    mixed = sum(r["trainable_groups"] for r in steps)
-    updated = [r for r in steps if not r["skipped"]]
-    accuracy_by_step = " ".join(f"{r['train_accuracy']:.2f}" for r in steps)
-    print(f"GRPO signal: {mixed}/{groups} groups mixed, {len(updated)}/{len(steps)} updates applied | train accuracy "
-          f"by step {accuracy_by_step} | clip fraction "
-          f"{max([r['clip_frac_low'] + r['clip_frac_high'] for r in updated], default=0):.3f} at most | "
-          f"step time {grpo_s / len(steps):.0f} s = rollout {sum(r['time_rollout'] for r in steps) / grpo_s:.0%}")
+    # 4) the signal GRPO had: mixed groups, several steps per batch, how far the policy moved
+    def mean(key, rows):
+        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
+        return sum(values) / len(values) if values else float("nan")
+    updated = [r for r in grpo_steps if not r["skipped"]]
+    print(f"GRPO signal: mixed groups {sum(r['trainable_groups'] for r in grpo_steps)}/"
+          f"{sum(r['submitted_groups'] for r in grpo_steps)}, {len(updated)}/{len(grpo_steps)} batches trained | clip "
+          f"fraction {mean('clip_frac_low', updated) + mean('clip_frac_high', updated):.3f}, KL to the sampler "
+          f"{mean('kl_old', updated):.4f}, entropy {mean('entropy', updated):.3f} nats | train accuracy by step "
+          + " ".join(f"{r['train_accuracy']:.2f}" for r in grpo_steps)
+          + f" | step {grpo_s / len(grpo_steps):.0f} s, rollout {mean('time_rollout', grpo_steps) * len(grpo_steps) / grpo_s:.0%}")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
-    width = 0.8 / len(agents)
-    for i, (name, r) in enumerate(agents):
-        left.bar([j + i * width for j in range(len(tiers) + 1)],
-                 [r["eval_accuracy"]] + [r["eval_accuracy_by_tier"][t] for t in tiers], width, label=name)
-    left.set_xticks([j + 0.4 - width / 2 for j in range(len(tiers) + 1)], ["all"] + tiers)
+    width = 0.8 / len(per_split)
+    for i, (name, by_split) in enumerate(per_split.items()):
+        left.bar([j + i * width for j in range(len(splits))], [m["eval_accuracy"] for m in by_split.values()], width,
+                 label=name)
+    left.set_xticks([j + 0.4 - width / 2 for j in range(len(splits))], splits)
     left.set_ylabel("held-out accuracy (greedy)")
-    left.set_ylim(0, 1)
     left.legend(fontsize=8)
-    right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label="GRPO: train accuracy")
-    sft = [r for r in control if "sft_step" in r]
-    right.plot([r["sft_step"] for r in sft], [r["sft_loss"] for r in sft], label="SFT control: loss")
+    for name in (grpo_name, rft_name):
+        steps = [r for r in records(folders[name]) if "reward_mean" in r]
+        right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label=f"{name}: train accuracy")
     right.set_xlabel("step")
     right.legend(fontsize=8)
     fig.tight_layout()
@@ -391,22 +527,24 @@ def bench_gpu(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "cache", "judge", "memory", "gpu", "learn"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "memory", "update", "gpu", "learn"])
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
     parser.add_argument("--adapter", default=None, help="judge: roll out the embedded model with this saved adapter")
     parser.add_argument("--tokenizer", default=None,
                         help="gpu, memory --shape qwen2.5-3b: a tokenizer folder (default: the embedded model's)")
-    parser.add_argument("--eval-size", type=int, default=64, help="learn: held-out tasks per evaluation")
-    parser.add_argument("--sft-steps", type=int, default=32, help="learn: warm-start steps before the two arms")
-    parser.add_argument("--grpo-steps", type=int, default=6, help="learn: GRPO steps (the control gets their time)")
+    parser.add_argument("--eval-size", type=int, default=0, help="learn: held-out tasks per split and evaluation (0: all)")
+    parser.add_argument("--sft-steps", type=int, default=64, help="learn: warm-start steps of the shared start")
+    parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time)")
+    parser.add_argument("--pass-tasks", type=int, default=24, help="learn: test tasks for the start's pass@k (0: skip)")
+    parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
     if train_flags and args.which != "learn":
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
     args.train_flags = train_flags  # learn: any other flag goes to train.py, for both arms (e.g. --temperature 1.0)
-    benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "memory": bench_memory, "gpu": bench_gpu, "learn": bench_learn}
+    benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "memory": bench_memory, "update": bench_update, "gpu": bench_gpu, "learn": bench_learn}
     benches[args.which](args)
 
 

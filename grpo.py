@@ -2,8 +2,8 @@
 
     batch, advantages, counts = batch_from_groups(groups, rewards)   # 1) better or worse than the group?
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)         #    (disabled: a pass-through)
-    stats = grpo_step(model, optimizer, batch, advantages, GRPOConfig(), scaler,   # 2) one optimizer step
-                      reference_context=lora.lora_disabled(model))
+    stats = grpo_update(model, optimizer, batch, advantages, GRPOConfig(), scaler,  # 2) K optimizer steps
+                        reference_context=lora.lora_disabled(model))
 
 GRPO (DeepSeekMath, Shao et al. 2024, https://arxiv.org/abs/2402.03300) drops PPO's value
 network: the n trajectories of a group answer the same task, so the group mean reward is the
@@ -21,8 +21,10 @@ size, V vocabulary, N = B * (T - 1) positions flattened.
 Simplifications, and why they are safe:
 - The PPO "old" policy is the rollout policy itself (its `sampled_logprobs`), so there is no
   extra forward pass before the update. With one optimizer step per batch of rollouts the ratio
-  is 1 up to the numerical gap between the KV-cached sampler and this forward; the clip guards
-  that gap and any further steps a caller takes on the same rollouts.
+  is 1 up to the numerical gap between the KV-cached sampler and this forward, and the clip has
+  nothing to do; grpo_update takes several steps on the same rollouts (epochs, minibatches), and
+  from the second on the policy has moved, the ratio leaves 1, and the clip keeps each step near
+  the policy that sampled (the stats report how often it acted, and the KL to that policy).
 - The KL reference is the base model with the LoRA switched off (a context manager the caller
   passes), not a frozen copy: no second model in memory.
 - Entropy is estimated as the mean of -log p(sampled token) over trained tokens (read from the
@@ -30,10 +32,11 @@ Simplifications, and why they are safe:
   temperature 1 without top-p, and a trend indicator otherwise.
 - Log-probs assume logits = lm_head(final hidden state), true for Llama, Qwen2 and SmolLM2;
   a model with logit soft-capping or scaling would need it added in `_head_logprobs`.
-- Learning-rate schedules, dynamic sampling and multiple epochs over the same rollouts are the
-  caller's business (train.py); this file only turns rollouts into one step.
+- Learning-rate schedules and which tasks to roll out are the caller's business (train.py); this
+  file only turns rollouts into optimizer steps.
 """
 import math
+import random
 from dataclasses import dataclass
 
 import torch
@@ -55,6 +58,8 @@ class GRPOConfig:
     max_grad_norm: float = 1.0        # global gradient-norm clip
     gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, ~1/3 more compute
     amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
+    epochs: int = 1                   # passes over one batch of rollouts (grpo_update)
+    minibatches: int = 1              # optimizer steps per pass: epochs * minibatches steps per batch
 
 
 # ---------------------------------------------------------------- 1) advantages
@@ -134,7 +139,7 @@ def _head_logprobs(head, hidden, targets):
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def token_logprobs(model, input_ids, attention_mask, chunk_size=512):
+def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=None):
     """(B, T) fp32 log p(x_t | x_<t) under `model`, 0 at t = 0 (nothing predicts the first token).
 
     One forward of the decoder gives the last hidden states; the lm_head and log-softmax then run
@@ -144,6 +149,11 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512):
     (8 x 1024 x 49152 x 4 bytes = 1.6 GB per copy for SmolLM2, 5 GB for Qwen2.5). The price is
     a second lm_head matmul in the backward. chunk_size=None computes everything at once (the
     baseline that bench.py measures against). Right padding; positions come from the mask.
+
+    positions: (B, T), nonzero where a log-prob is wanted (the trained tokens); elsewhere the
+    result is 0 and the lm_head never runs. The head is the largest matmul per token (576 x 49152
+    for SmolLM2), run three times with checkpointing; a trajectory trains only the tokens it
+    sampled (a fifth of a demonstration: prompt, tool results and padding are the rest).
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, "input_ids and mask must be (B, T)"
     assert input_ids.shape[1] >= 2, "need at least 2 tokens: one to condition on, one to predict"
@@ -151,17 +161,19 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512):
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): 0, 1, ... over real tokens
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                               use_cache=False).last_hidden_state  # (B, T, H)
-    hidden = hidden[:, :-1].reshape(B * (T - 1), -1)  # (N, H): position t - 1 predicts token t
-    targets = input_ids[:, 1:].reshape(-1)  # (N,)
+    # position t - 1 predicts token t: keep the (N, H) rows whose target is wanted, N <= B * (T - 1)
+    wanted = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
+    hidden, targets = hidden[:, :-1][wanted], input_ids[:, 1:][wanted]  # (N, H), (N,)
     head = model.get_output_embeddings()
-    n = chunk_size or len(targets)
+    n = chunk_size or max(1, len(targets))
     pieces = zip(hidden.split(n), targets.split(n))
     if chunk_size and torch.is_grad_enabled():
         logps = [checkpoint(_head_logprobs, head, h, y, use_reentrant=False) for h, y in pieces]
     else:  # the unchunked baseline, or no autograd: nothing is kept for a backward anyway
         logps = [_head_logprobs(head, h, y) for h, y in pieces]
-    logps = torch.cat(logps)  # (N,)
-    return F.pad(logps.view(B, T - 1), (1, 0))  # (B, T)
+    out = torch.zeros(B, T - 1, dtype=torch.float32, device=input_ids.device)
+    out = out.masked_scatter(wanted, torch.cat(logps)) if logps else out  # back to (B, T - 1), 0 where not wanted
+    return F.pad(out, (1, 0))  # (B, T)
 
 
 # ---------------------------------------------------------------- 3) the loss
@@ -176,7 +188,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     splits a step into micro-batches passes them, so the micro-batch losses add up to the loss,
     and the accumulated gradient to the gradient, of the step as one batch.
     stats (floats, means over this batch's trained tokens): clip_frac_low, clip_frac_high,
-    ratio_mean, kl (None without ref_logprobs), tokens.
+    ratio_mean, kl_old (how far the policy has moved from the one that sampled), kl (to the
+    reference; None without ref_logprobs), tokens.
 
     Four trajectories of one trained token each, advantages +1, +1, -1, -1, and a policy that has
     moved since the rollout: ratios pi/pi_old of 1, 1.5, 1 and 0.5. Per token, -min(r A, clip(r) A)
@@ -229,6 +242,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
             "clip_frac_low": (((ratio < 1 - clip_low) & (adv < 0)).float() * mask).sum().div(n).item(),
             "clip_frac_high": (((ratio > 1 + clip_high) & (adv > 0)).float() * mask).sum().div(n).item(),
             "ratio_mean": (ratio * mask).sum().div(n).item(),
+            # k3 estimate of KL(pi_old || pi_theta) from pi_old's own samples: (r - 1) - log r >= 0
+            "kl_old": (((ratio - 1) - (logprobs - old_logprobs) * mask) * mask).sum().div(n).item(),
             "kl": None if kl is None else (kl * mask).sum().div(n).item(),
             "tokens": int(mask.sum().item()),
         }
@@ -249,6 +264,13 @@ def set_gradient_checkpointing(model, enabled):
         getattr(model, f"{kind}_checkpointing_enable")({"use_reentrant": False})
     elif not enabled and getattr(model, f"is_{kind}_checkpointing"):
         getattr(model, f"{kind}_checkpointing_disable")()
+
+
+def sampled_entropy(trajectories):
+    """The policy's entropy, estimated as the mean of -log p(sampled token) over trained tokens
+    (read from the rollouts: no full-vocabulary pass; see the module docstring)."""
+    tokens = sum(sum(t.assistant_mask) for t in trajectories)
+    return -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories) / max(1, tokens)
 
 
 def _collate(trajectories, advantages, device):
@@ -302,12 +324,10 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
     # Normalizer counts over the WHOLE step, forwarded or not (see policy_loss).
     norm = {"num_sequences": len(trajectories), "num_tokens": sum(masks),
             "max_tokens": config.max_tokens or max(masks)}
-    stats = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0,
+    stats = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0, "kl_old": 0.0,
              "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
              "sequences": len(trajectories), "tokens": sum(masks), "forwarded_sequences": 0,
-             # estimate: mean of -log p(sampled token) over trained tokens (module docstring)
-             "entropy": -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask))
-                             for t in trajectories) / max(1, sum(masks))}
+             "entropy": sampled_entropy(trajectories)}
 
     # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no gradient;
     # its tokens are already in the normalizer above, so skipping its forward changes nothing.
@@ -330,13 +350,14 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
         refs = [None] * len(batches)
         if config.kl_coef > 0:
             with torch.no_grad(), reference_context, autocast:
-                refs = [token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size) for b in batches]
+                refs = [token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"])
+                        for b in batches]
 
-        averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean"] + (["kl"] if config.kl_coef > 0 else [])
+        averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + (["kl"] if config.kl_coef > 0 else [])
         sums, forwarded_tokens = dict.fromkeys(averaged, 0.0), 0
         for b, ref in zip(batches, refs):
             with autocast:
-                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size)
+                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"])
             loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"],
                                   clip_low=config.clip_low, clip_high=config.clip_high,
                                   aggregation=config.aggregation, kl_coef=config.kl_coef, ref_logprobs=ref, **norm)
@@ -358,6 +379,41 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
     finally:
         optimizer.zero_grad(set_to_none=True)  # a skipped step leaves no stale gradient behind
         model.train(was_training)
+
+
+def grpo_update(model, optimizer, trajectories, advantages, config, scaler, reference_context=None, seed=0):
+    """config.epochs passes over one batch of rollouts, each split into config.minibatches optimizer
+    steps (grpo_step), all against the rollout's log-probs: PPO's reuse of a costly batch.
+
+    Rollouts are most of a step's time; a single optimizer step uses them once, with the ratio
+    stuck at 1. Every step after the first sees a policy that has moved, so the ratio and the
+    clip do their job (clip_frac_*, kl_old). epochs = minibatches = 1 is exactly one grpo_step on
+    the batch as given. Otherwise each pass shuffles the trajectories (seeded by `seed`, so a
+    resumed run repeats it) and every minibatch is normalized over its own tokens.
+    Returns grpo_step's stats averaged over the steps taken, with `updates` (steps applied) and
+    `skipped` only when every step was.
+    """
+    order = list(range(len(trajectories)))
+    rng = random.Random(seed)
+    steps = []
+    for _ in range(config.epochs):
+        if config.epochs * config.minibatches > 1:
+            rng.shuffle(order)
+        size = math.ceil(len(order) / config.minibatches)
+        for part in (order[i:i + size] for i in range(0, len(order), size)):
+            steps.append(grpo_step(model, optimizer, [trajectories[i] for i in part], [advantages[i] for i in part],
+                                   config, scaler, reference_context))
+    if len(steps) == 1:
+        return {**steps[0], "updates": int(not steps[0]["skipped"])}
+    applied = [s for s in steps if not s["skipped"]]
+    stats = {k: sum(s[k] for s in applied) / len(applied) if applied else 0.0
+             for k in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old", "grad_norm")}
+    stats["kl"] = sum(s["kl"] for s in applied) / len(applied) if applied and config.kl_coef > 0 else None
+    stats["kl_old_last"] = applied[-1]["kl_old"] if applied else 0.0   # the farthest the policy got from the sampler
+    first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
+    return {**stats, "updates": len(applied), "skipped": not applied, "skip_reason": first_skip,
+            "sequences": len(trajectories), "tokens": sum(s["tokens"] for s in steps[:config.minibatches]),
+            "forwarded_sequences": sum(s["forwarded_sequences"] for s in steps), "entropy": sampled_entropy(trajectories)}
 
 
 # ---------------------------------------------------------------- 5) supervised warm start
@@ -385,7 +441,7 @@ def sft_step(model, optimizer, trajectories, config, scaler):
             chunk = [trajectories[i] for i in order[s:s + mbs]]
             b = _collate(chunk, [0.0] * len(chunk), device)
             with autocast:
-                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size)  # (B, T)
+                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"])
             loss = -(logprobs * b["mask"]).sum() / num_tokens
             if not torch.isfinite(loss):
                 return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}

@@ -225,6 +225,25 @@ def execution_outcome(db_path, pred_sql, gold_sql, timeout_s=2.0):
     return _results_match(gold, pred, ordered="order by" in gold_sql.lower()), None  # Spider's rule
 
 
+def result_overlap(db_path, pred_sql, gold_sql, timeout_s=2.0):
+    """Partial credit in [0, 1]: the Jaccard overlap of pred_sql's result rows with the gold's, as
+    multisets, each row's values taken in any column order; 0 when pred_sql fails. It needs the
+    gold result only, not its SQL text. A wrong query that returns most of the gold rows earns
+    most of the credit; returning the whole table earns little (the union grows)."""
+    gold = _gold_rows(db_path, gold_sql, _file_stamp(db_path))
+    try:  # a result over twice the gold's size overlaps it by under a half: no credit, and no work
+        pred = run_query(db_path, pred_sql, timeout_s, 2 * max(len(gold), 1), SCORE_MAX_BYTES)[1]
+    except SQLError:                                    # it failed, or ResultTooLarge
+        return 0.0
+
+    def bag(rows):  # a row as the sorted list of its values: the columns may come in any order
+        return Counter(tuple(sorted(repr(_canonical(value)) for value in row)) for row in rows)
+
+    gold_bag, pred_bag = bag(gold), bag(pred)
+    union = sum((gold_bag | pred_bag).values())
+    return sum((gold_bag & pred_bag).values()) / union if union else 1.0
+
+
 def execution_match(db_path, pred_sql, gold_sql, timeout_s=2.0):
     """True when pred_sql returns the same result as gold_sql. Raises SQLError only if the gold fails."""
     return execution_outcome(db_path, pred_sql, gold_sql, timeout_s)[0]

@@ -11,26 +11,28 @@ schema never trained on), then (--sft-steps) a supervised warm start on gold dem
 (--demos), evaluate again, and checkpoint it as step 0. One step of the loop,
 the whole algorithm:
 
-    1) sample tasks      a few questions from the train split, weighted toward tiers the agent
-                         gets right about half the time (DAPO's "dynamic sampling" in spirit:
-                         groups that are all right or all wrong carry no signal)
+    1) sample tasks      a few questions from the train split, most of them from the frontier:
+                         tasks whose last group came out mixed, some right and some wrong
+                         (groups that are all right or all wrong carry no signal); the rest
+                         explore, weighted toward tiers the agent gets right about half the time
     2) rollouts          N trajectories per task, sampled with the current LoRA policy
-    3) reward            reward = judge_score + bonus * correct   (one visible line, in score_groups)
+    3) reward            reward = judge_score + bonus * correct (+ partial credit, an option)
+                         (one visible line, in score_groups)
     4) advantages        normalized within each group (grpo.batch_from_groups); all-equal groups
                          are skipped and counted, and so are rows the rollout cut on non-finite
                          logits (fp16 overflow)
-    5) update            one clipped policy-gradient step on the LoRA parameters only
+    5) update            clipped policy-gradient steps on the LoRA parameters only: --epochs
+                         passes over the batch, --minibatches steps each (grpo.grpo_update);
+                         or, as the control, --update rft: one supervised step on the step's
+                         correct rollouts (rejection-sampling fine-tuning)
     6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter + optimizer +
                          RNG state written atomically, so a killed run resumes with nothing lost
 
 Deliberate simplifications, and why they are safe:
-- One optimizer step per batch of rollouts (no PPO epochs): the ratio in the loss is then 1 at
-  the first micro-batch and only drifts through numerics, so clipping rarely bites; it stays in
-  the loss because forks that add epochs need it.
 - Per-step seeds are derived from (--seed, step), so a resumed run samples exactly the tasks and
-  tokens the uninterrupted run would have: resume needs no sampler state beyond the step count
-  and the per-tier success rates, which the checkpoint stores.
+  tokens the uninterrupted run would have: resume needs no sampler state beyond the step count,
+  the per-tier success rates and the per-task pass rates, which the checkpoint stores.
 """
 import argparse
 import errno
@@ -39,7 +41,9 @@ import math
 import os
 import random
 import re
+import resource
 import shutil
+import sys
 import time
 
 import torch
@@ -88,6 +92,9 @@ def parse_args(argv=None):
     g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
     g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--frontier-share", type=float, default=0.75,
+                   help="share of a step's tasks drawn from the frontier (train tasks whose last group was mixed); "
+                        "the rest explore by tier. 0: tier sampling alone")
     # judge and reward
     g = p.add_argument_group("judge and reward")
     g.add_argument("--judge", choices=["auto", "local", "http", "none"], default="auto",
@@ -98,6 +105,9 @@ def parse_args(argv=None):
                    help="what to do when the http judge endpoint is unreachable at start")
     g.add_argument("--rubric", default=None, help="file with a rubric replacing the default one")
     g.add_argument("--bonus", type=float, default=1.0, help="reward added for an execution-correct answer")
+    g.add_argument("--partial-credit", type=float, default=0.0,
+                   help="reward added times the overlap of the submitted query's result rows with the gold result "
+                        "(Jaccard; 0 when nothing ran): a denser signal that needs no gold SQL text. 0: off")
     # supervised warm start (before GRPO)
     g = p.add_argument_group("supervised warm start")
     g.add_argument("--sft-steps", type=int, default=0 if on_gpu else 32,
@@ -111,7 +121,13 @@ def parse_args(argv=None):
     g.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     # loss and optimization
     g = p.add_argument_group("loss and optimization")
-    g.add_argument("--lr", type=float, default=1e-4 if not on_gpu else 5e-5, help="AdamW learning rate of the GRPO steps")
+    g.add_argument("--update", choices=["grpo", "rft"], default="grpo",
+                   help="grpo: the clipped policy gradient; rft: rejection-sampling fine-tuning, one supervised step "
+                        "on the step's correct rollouts (the control that needs, like GRPO, only answers)")
+    g.add_argument("--lr", type=float, default=1e-4 if not on_gpu else 5e-5, help="AdamW learning rate of the RL steps")
+    g.add_argument("--epochs", type=int, default=1, help="passes over each batch of rollouts (PPO epochs)")
+    g.add_argument("--minibatches", type=int, default=1,
+                   help="optimizer steps per pass: each batch of rollouts gets epochs x minibatches steps")
     g.add_argument("--weight-decay", type=float, default=0.0, help="AdamW weight decay")
     g.add_argument("--loss", choices=["token", "sequence", "constant"], default="token",
                    help="aggregation: token = DAPO, sequence = GRPO, constant = Dr. GRPO")
@@ -120,13 +136,16 @@ def parse_args(argv=None):
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1 + clip_high (DAPO clip-higher)")
     g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the base model (LoRA off)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
-    g.add_argument("--micro-batch-size", type=int, default=4, help="sequences per forward/backward")
+    g.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 1,
+                   help="sequences per forward/backward (on CPU one at a time was faster, and 2.5x leaner, than 4)")
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=on_gpu, help="trade compute for memory")
     # evaluation and output
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after training)")
-    g.add_argument("--eval-size", type=int, default=0 if on_gpu else 32, help="held-out tasks per evaluation (0: all)")
+    g.add_argument("--eval-size", type=int, default=0 if on_gpu else 32, help="held-out tasks per evaluation (0: all); the same ones whatever --seed")
     g.add_argument("--eval-only", action="store_true", help="evaluate --model/--adapter on --eval-split and exit")
+    g.add_argument("--start-eval", action=argparse.BooleanOptionalAction, default=True,
+                   help="evaluate the starting model before training (bench.py learn's arms share one)")
     g.add_argument("--checkpoint-every", type=int, default=1, help="checkpoint every K steps")
     g.add_argument("--out", default="runs/default", help="run folder")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
@@ -140,12 +159,15 @@ def parse_args(argv=None):
                 f"use --max-turns >= {agentrl.DEMO_KINDS[args.demos]} (or other --demos)")
     if args.steps < 0:
         p.error(f"--steps must be >= 0, got {args.steps}")
-    positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r"]
+    positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r",
+                "epochs", "minibatches"]
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group_size < 2 and not args.eval_only:
         p.error("--group-size must be >= 2: GRPO compares trajectories within a group")
+    if not 0 <= args.frontier_share <= 1 or args.partial_credit < 0:
+        p.error("--frontier-share must be in [0, 1] and --partial-credit >= 0")
     if not 0 < args.temperature <= 10 or not 0 < args.top_p <= 1:
         p.error("--temperature must be in (0, 10] and --top-p in (0, 1]")
     if args.data != "default" and not os.path.isdir(args.data):
@@ -168,13 +190,13 @@ def append_jsonl(path, record):
         f.write(json.dumps(record) + "\n")
 
 
-def save_checkpoint(run_dir, model, optimizer, scaler, step, tier_stats, keep=2):
+def save_checkpoint(run_dir, model, optimizer, scaler, step, task_stats, keep=2):
     """adapter (PEFT layout) + optimizer + scaler + RNG + step into checkpoints/step_XXXX, written
     as one folder that appears whole (files.atomic_folder), then point `latest` at it."""
     final = os.path.join(run_dir, "checkpoints", f"step_{step:04d}")
     with atomic_folder(final) as tmp:
         lora.save_adapter(model, tmp)
-        state = {"step": step, "optimizer": optimizer.state_dict(), "tier_stats": tier_stats,
+        state = {"step": step, "optimizer": optimizer.state_dict(), "task_stats": task_stats,
                  "scaler": scaler.state_dict(), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     write_text_atomic(os.path.join(run_dir, "checkpoints", "latest"), os.path.basename(final))
@@ -196,7 +218,7 @@ def load_checkpoint(run_dir, model, optimizer, scaler):
         scaler.load_state_dict(state["scaler"])
     torch.set_rng_state(state["rng"]["torch"])
     random.setstate(state["rng"]["python"])
-    return state["step"], state["tier_stats"], folder
+    return state["step"], state["task_stats"], folder
 
 
 def truncate_metrics(path, last_step):
@@ -217,26 +239,42 @@ def truncate_metrics(path, last_step):
 
 
 # ----------------------------------------------------------------------------- task sampling
-def sample_tasks(tasks_by_tier, tier_stats, k, rng):
-    """Pick k tasks; a tier's weight is p(1-p) of its running success rate, plus a floor.
+def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75):
+    """Pick k tasks: a share from the frontier, the others exploring by tier.
 
-    A tier the agent always or never solves yields all-equal groups (zero advantage, no gradient),
-    so the weight peaks at p = 0.5 where a group of N is most likely to be mixed.
+    A group whose trajectories are all right or all wrong has zero advantage and teaches nothing;
+    a task whose last group came out mixed (0 < pass rate < 1) is where the signal is. So each pick
+    is, with probability frontier_share, a frontier task (weight p(1-p)); otherwise a tier (weight
+    p(1-p) + a floor, p its running success rate) and a task in it, so that every task is seen now
+    and then and a solved or hopeless one gets another chance. No task is picked twice in a step
+    while its tier has others.
+    task_stats: {"tiers": {tier: running success rate}, "tasks": {task id: last group's pass rate}}.
     """
+    by_id = {task.id: task for tier_tasks in tasks_by_tier.values() for task in tier_tasks}
+    frontier = {tid: p for tid, p in sorted(task_stats["tasks"].items()) if 0 < p < 1 and tid in by_id}
     tiers = sorted(tasks_by_tier)
-    weights = []
-    for tier in tiers:
-        p = tier_stats.get(tier, 0.5)
-        weights.append(p * (1 - p) + 0.05)
-    chosen = rng.choices(tiers, weights=weights, k=k)
-    return [rng.choice(tasks_by_tier[tier]) for tier in chosen]
+    tier_rates = [task_stats["tiers"].get(tier, 0.5) for tier in tiers]
+    tier_weights = [p * (1 - p) + 0.05 for p in tier_rates]    # peaks at p = 0.5, where a group is most often mixed
+    chosen = []
+    for _ in range(k):
+        if frontier and rng.random() < frontier_share:
+            tid = rng.choices(list(frontier), weights=[p * (1 - p) for p in frontier.values()])[0]
+        else:
+            tier = rng.choices(tiers, weights=tier_weights)[0]
+            fresh = [task.id for task in tasks_by_tier[tier] if task.id not in chosen]  # one group per task and step
+            tid = rng.choice(fresh or [task.id for task in tasks_by_tier[tier]])
+        frontier.pop(tid, None)
+        chosen.append(tid)
+    return [by_id[tid] for tid in chosen]
 
 
-def update_tier_stats(tier_stats, groups, momentum=0.7):
+def update_task_stats(task_stats, groups, momentum=0.7):
+    """Record each group's pass rate: a running rate per tier, the last one per task."""
     for group in groups:
-        tier = group.task.difficulty
         accuracy = sum(t.correct for t in group.trajectories) / len(group.trajectories)
-        tier_stats[tier] = momentum * tier_stats.get(tier, 0.5) + (1 - momentum) * accuracy
+        tier = group.task.difficulty
+        task_stats["tiers"][tier] = momentum * task_stats["tiers"].get(tier, 0.5) + (1 - momentum) * accuracy
+        task_stats["tasks"][group.task.id] = accuracy
 
 
 # ----------------------------------------------------------------------------- warm start
@@ -308,6 +346,8 @@ def evaluate(model, tokenizer, tasks, limits, batch_groups=32):
         "eval_mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
         "eval_tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(calls, 1),
         "eval_tasks": len(trajectories),
+        "eval_task_ids": [task.id for task in tasks],               # with eval_outcomes: paired comparisons
+        "eval_outcomes": "".join("1" if t.correct else "0" for t in trajectories),
         **{"eval_" + k: v for k, v in behaviour(trajectories).items()},
     }
 
@@ -419,12 +459,13 @@ def run(args):
         lora.load_adapter(model, args.adapter)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=args.lr, weight_decay=args.weight_decay)
 
-    # 2) data: train tasks grouped by tier, a fixed held-out subset of each evaluation split (the
-    #    same seed draws the same positions: test and test_schema get the same questions)
+    # 2) data: train tasks grouped by tier, a fixed held-out subset of each evaluation split (drawn
+    #    with a seed of its own: test and test_schema get the same questions, and so do runs with
+    #    different --seed, so their per-task outcomes pair up)
     eval_sets = {}
     for split in args.eval_splits:
         tasks = sql_env.load_tasks(args.data, split)
-        eval_sets[split] = random.Random(args.seed).sample(tasks, min(args.eval_size, len(tasks))) if args.eval_size else tasks
+        eval_sets[split] = random.Random(0).sample(tasks, min(args.eval_size, len(tasks))) if args.eval_size else tasks
     limits = agentrl.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
     if args.eval_only:
         record = evaluate_splits(model, tokenizer, eval_sets, limits)
@@ -439,46 +480,54 @@ def run(args):
     config = grpo.GRPOConfig(micro_batch_size=args.micro_batch_size, clip_low=args.clip_low, clip_high=args.clip_high,
                              aggregation=args.loss, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
                              gradient_checkpointing=args.grad_checkpointing, amp_dtype=precision.amp_dtype,
-                             max_tokens=args.max_turns * args.max_new_tokens)  # Dr. GRPO's constant: the generation budget
+                             max_tokens=args.max_turns * args.max_new_tokens,  # Dr. GRPO's constant: the generation budget
+                             epochs=args.epochs, minibatches=args.minibatches)
 
     # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0)
     if args.resume:
-        start_step, tier_stats, folder = load_checkpoint(args.out, model, optimizer, scaler)
+        start_step, task_stats, folder = load_checkpoint(args.out, model, optimizer, scaler)
         truncate_metrics(metrics_path, start_step)
         print(f"resumed from {folder} at step {start_step}")
     else:
-        start_step, tier_stats = 0, {}
+        start_step, task_stats = 0, {"tiers": {}, "tasks": {}}
         start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, precision)
-        save_checkpoint(args.out, model, optimizer, scaler, 0, tier_stats)
+        save_checkpoint(args.out, model, optimizer, scaler, 0, task_stats)
 
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
     for step in bar:
         t0 = time.time()
         step_seed = args.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
         # 1) sample tasks, 2) rollouts
-        tasks = sample_tasks(tasks_by_tier, tier_stats, args.groups_per_step, random.Random(step_seed))
+        tasks = sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(step_seed), args.frontier_share)
         sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=step_seed)
         groups = agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
         t_rollout = time.time() - t0
 
         # 3) reward = judge score + bonus * correct (score_groups)
         rewards, results, judge_failed = score_groups(groups, judge_backend, rubric, args.bonus,
-                                                      os.path.join(args.out, "judge_cache"))
+                                                      os.path.join(args.out, "judge_cache"), args.partial_credit)
         t_judge = time.time() - t0 - t_rollout
 
         # 4) advantages within each group, flattened into the update's batch
         batch, advantages, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=not args.no_std_scaling)
 
         # 5) update (skipped when no group carries signal)
-        if batch:
+        if args.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
+            correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
+            stats = (grpo.sft_step(model, optimizer, correct, config, scaler) if correct
+                     else {"skipped": True, "skip_reason": "no correct rollout"})
+        elif batch:
             reference = lora.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
-            stats = grpo.grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=reference)
+            stats = grpo.grpo_update(model, optimizer, batch, advantages, config, scaler, reference_context=reference,
+                                     seed=step_seed)
         else:
             stats = {"skipped": True, "skip_reason": "no trainable group"}
-        update_tier_stats(tier_stats, groups)
+        frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
+        update_task_stats(task_stats, groups)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
         record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed,
+                             frontier_tasks=frontier_before,
                              time_rollout=t_rollout, time_judge=t_judge, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
         write_trajectories(args.out, step, groups, rewards, results)
@@ -493,7 +542,7 @@ def run(args):
             append_jsonl(metrics_path, {"step": step, **record})
             tqdm.write(f"eval step {step}:\n{format_evals(record, args.eval_splits)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
-            save_checkpoint(args.out, model, optimizer, scaler, step, tier_stats)
+            save_checkpoint(args.out, model, optimizer, scaler, step, task_stats)
         plot_run(args.out)
     bar.close()
 
@@ -516,9 +565,10 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         shutil.rmtree(os.path.join(args.out, "checkpoints"))
     write_text_atomic(metrics_path, "")
     write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
-    record = evaluate_splits(model, tokenizer, eval_sets, limits)
-    append_jsonl(metrics_path, {"step": 0, "phase": "base", **record})
-    print(f"eval step 0 (base model):\n{format_evals(record, args.eval_splits)}")
+    if args.start_eval:
+        record = evaluate_splits(model, tokenizer, eval_sets, limits)
+        append_jsonl(metrics_path, {"step": 0, "phase": "start" if args.adapter else "base", **record})
+        print(f"eval step 0 ({args.adapter or 'base model'}):\n{format_evals(record, args.eval_splits)}")
     if args.sft_steps:
         warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
         record = evaluate_splits(model, tokenizer, eval_sets, limits)
@@ -526,9 +576,11 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 
 
-def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
-    """Rewards, one list per group: the judge's relative score plus the correctness bonus. A group
-    the judge cannot score (or `--judge none`) keeps the bonus alone.
+def score_groups(groups, judge_backend, rubric, bonus, cache_dir, partial_credit=0.0):
+    """Rewards, one list per group: the judge's relative score plus the correctness bonus, plus
+    (partial_credit > 0) that weight times how much of the gold result the submitted query
+    returned (sql_env.result_overlap). A group the judge cannot score (or `--judge none`) keeps
+    the rest.
     Returns (rewards, judge results, how many groups the judge failed to score)."""
     rewards, results, judge_failed = [], [], 0
     for group in groups:
@@ -540,7 +592,9 @@ def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
                                            cache_dir=cache_dir)
             judge_failed += not result.scored
         scores = result.scores if result.scored else [0.0] * len(correct)
-        rewards.append([score + bonus * c for score, c in zip(scores, correct)])    # the reward, in one line
+        overlap = [sql_env.result_overlap(group.task.db_path, t.submitted_sql, group.task.gold_sql)
+                   if partial_credit and t.submitted_sql else 0.0 for t in group.trajectories]
+        rewards.append([score + bonus * c + partial_credit * o for score, c, o in zip(scores, correct, overlap)])  # the reward
         results.append(result)
     return rewards, results, judge_failed
 
@@ -555,6 +609,7 @@ def step_record(step, groups, rewards, counts, stats, **extra):
         "reward_mean": sum(flat_rewards) / len(flat_rewards),
         "train_accuracy": sum(t.correct for t in trajectories) / len(trajectories),
         "trainable_groups": counts["trainable_groups"],
+        "mixed_group_rate": counts["trainable_groups"] / len(groups),
         "zero_variance_groups": counts["zero_variance_groups"],
         "non_finite_trajectories": counts["non_finite_trajectories"],
         "submitted_groups": len(groups),
@@ -599,6 +654,8 @@ def print_summary(args, metrics_path, final_dir):
     steps = [r for r in records if "reward_mean" in r]
     print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
           f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+    print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started)")
     print(f"adapter:    {final_dir}  (PEFT layout)")
     print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}")
     print(f"evaluate:   python train.py --eval-only --adapter {final_dir}" + (f" --model {args.model}" if args.model else ""))

@@ -191,6 +191,26 @@ def test_chunked_logprobs_equal_unchunked_in_values_and_gradients(checkpointing)
         torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("chunk_size", [None, 5])
+def test_logprobs_at_trained_positions_only_equal_the_full_ones_there(chunk_size):
+    """positions= runs the lm_head only where a token is trained: the same values and gradients
+    there, 0 elsewhere (prompt, tool results, padding)."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    model.train()
+    trajs = trajectories(4)
+    b = grpo._collate(trajs, [0.0] * 4, torch.device("cpu"))
+    weights = torch.randn(b["mask"].shape, generator=torch.Generator().manual_seed(0)) * b["mask"]
+    full = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size)
+    full_grads = torch.autograd.grad((full * weights).sum(), params)
+    only = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size, positions=b["mask"])
+    only_grads = torch.autograd.grad((only * weights).sum(), params)
+    torch.testing.assert_close(only, full * b["mask"], rtol=1e-5, atol=1e-6)
+    assert (only[b["mask"] == 0] == 0).all()
+    for g0, g1 in zip(full_grads, only_grads):
+        torch.testing.assert_close(g0, g1, rtol=1e-4, atol=1e-6)
+
+
 # ---------------------------------------------------------------- one step
 NO_SCALER = torch.amp.GradScaler("cpu", enabled=False)   # fp32: the scaler is a pass-through
 
@@ -281,6 +301,45 @@ def test_kl_is_zero_while_the_adapter_is_a_no_op_then_positive():
     first, second = (grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, NO_SCALER,
                                     reference_context=lora.lora_disabled(model)) for _ in range(2))
     assert first["kl"] == 0.0 and second["kl"] > 0
+
+
+def test_grpo_update_with_one_epoch_and_one_minibatch_is_one_grpo_step():
+    """K = 1 is today's step, bit for bit."""
+    results = []
+    for update in ("step", "update"):
+        model, params = tiny_model()
+        perturb_lora(params)
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        call = grpo.grpo_step if update == "step" else grpo.grpo_update
+        stats = call(model, optimizer, trajectories(6), ADVANTAGES, grpo.GRPOConfig(micro_batch_size=4), NO_SCALER)
+        results.append(([p.detach().clone() for p in params], stats))
+    (a, stats_a), (b, stats_b) = results
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert stats_b["updates"] == 1 and stats_a["loss"] == stats_b["loss"]
+
+
+def test_several_steps_per_batch_make_the_ratio_move_and_the_clip_act():
+    """On fresh rollouts (recorded log-probs = the policy's own) the first step sees ratio 1 and
+    clips nothing; after 2 epochs x 2 minibatches at a high learning rate the policy has moved away
+    from the sampler: kl_old > 0 and the clip acts on some tokens."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    trajs = trajectories(6, seed=5)
+    b = grpo._collate(trajs, ADVANTAGES, torch.device("cpu"))
+    with torch.no_grad():
+        fresh = grpo.token_logprobs(model.eval(), b["input_ids"], b["attention_mask"])
+    for t, row in zip(trajs, fresh):
+        t.sampled_logprobs = [lp * m for lp, m in zip(row[:len(t.token_ids)].tolist(), t.assistant_mask)]
+    optimizer = torch.optim.AdamW(params, lr=5e-2)
+    first = grpo.grpo_step(model, optimizer, trajs, ADVANTAGES, grpo.GRPOConfig(), NO_SCALER)
+    assert first["kl_old"] < 1e-5 and first["clip_frac_low"] + first["clip_frac_high"] == 0
+    model, params = tiny_model()
+    perturb_lora(params)
+    optimizer = torch.optim.AdamW(params, lr=5e-2)
+    stats = grpo.grpo_update(model, optimizer, trajs, ADVANTAGES, grpo.GRPOConfig(epochs=2, minibatches=2), NO_SCALER)
+    assert stats["updates"] == 4 and stats["kl_old_last"] > 1e-3
+    assert stats["clip_frac_low"] + stats["clip_frac_high"] > 0
 
 
 @pytest.mark.parametrize("where", ["loss", "grad"])

@@ -170,6 +170,21 @@ def test_execution_match(db, pred, gold, expected):
     assert execution_match(db, pred, gold, timeout_s=0.5) is expected
 
 
+@pytest.mark.parametrize("pred, gold, expected", [
+    ("SELECT 2 AS b, 1 AS a", "SELECT 1 AS a, 2 AS b", 1.0),                       # columns in any order
+    ("SELECT 1 UNION ALL SELECT 2", "SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3 UNION ALL SELECT 4", 0.5),
+    ("SELECT 1 UNION ALL SELECT 5", "SELECT 1 UNION ALL SELECT 2 UNION ALL SELECT 3", 0.25),  # 1 shared of 4
+    ("SELECT 1 UNION ALL SELECT 1", "SELECT 1", 0.5),                               # multisets: the extra copy
+    ("SELECT 3.0", "SELECT 3", 1.0),
+    ("SELECT nme FROM categories", "SELECT name FROM categories", 0.0),            # fails: no credit
+    ("SELECT id FROM orders", "SELECT 1", 0.0),                                     # far too large: none
+    ("SELECT 1 WHERE 0", "SELECT 1 WHERE 0", 1.0),                                  # both empty
+])
+def test_result_overlap_is_the_jaccard_of_result_rows(db, pred, gold, expected):
+    """Partial credit: shared rows over the rows of either, as multisets; 0 when the query fails."""
+    assert sql_env.result_overlap(db, pred, gold, timeout_s=0.5) == pytest.approx(expected)
+
+
 def test_gold_results_are_cached(db):
     """The gold query runs once per database file, however many rollouts are scored against it."""
     sql_env._gold_rows.cache_clear()

@@ -6,6 +6,7 @@ that differ within each group, which is all GRPO needs to produce a gradient.
 import json
 import os
 import re
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -166,12 +167,75 @@ def test_unreachable_judge_endpoint(tiny_model_dir, tmp_path):
 
 
 def test_task_sampling_prefers_mixed_tiers():
-    """Tiers near 50% success are sampled most: they give mixed groups, hence gradient."""
+    """With no task seen yet, tiers near 50% success are sampled most: they give mixed groups."""
     import random
-    tasks = {"easy": ["e"], "medium": ["m"], "hard": ["h"]}
-    stats = {"easy": 1.0, "medium": 0.5, "hard": 0.0}
-    picks = train.sample_tasks(tasks, stats, 2000, random.Random(0))
+    tasks = {tier: [SimpleNamespace(id=tier[0])] for tier in ("easy", "medium", "hard")}
+    stats = {"tiers": {"easy": 1.0, "medium": 0.5, "hard": 0.0}, "tasks": {}}
+    picks = [t.id for t in train.sample_tasks(tasks, stats, 2000, random.Random(0))]
     assert picks.count("m") > 3 * picks.count("e") and picks.count("m") > 3 * picks.count("h")
+
+
+def test_task_sampling_prefers_frontier_tasks_and_still_explores():
+    """Of 100 tasks, the two whose last group was mixed are drawn far more often than the rest, never
+    twice in one step; the solved and the never-solved ones are still drawn now and then; with
+    --frontier-share 0 the frontier gets no preference."""
+    import random
+    tasks = {"medium": [SimpleNamespace(id=f"t{i}") for i in range(100)]}
+    stats = {"tiers": {}, "tasks": {"t0": 0.5, "t1": 0.25, "t2": 1.0, "t3": 0.0}}
+    steps = [[t.id for t in train.sample_tasks(tasks, stats, 4, random.Random(seed))] for seed in range(500)]
+    picks = [tid for step in steps for tid in step]
+    assert picks.count("t0") > 400 and picks.count("t1") > 300          # in most steps
+    assert all(step.count("t0") <= 1 and step.count("t1") <= 1 for step in steps)
+    others = [tid for tid in picks if tid not in ("t0", "t1")]
+    assert len(set(others)) > 90 and 0 < picks.count("t2") < 30            # everything else, uniformly
+    flat = [t.id for seed in range(500) for t in train.sample_tasks(tasks, stats, 4, random.Random(seed), frontier_share=0)]
+    assert flat.count("t0") < 60
+
+
+def test_task_stats_record_the_last_pass_rate_per_task():
+    group = SimpleNamespace(task=SimpleNamespace(id="q", difficulty="easy"),
+                            trajectories=[SimpleNamespace(correct=c) for c in (True, False, False, True)])
+    stats = {"tiers": {}, "tasks": {"q": 1.0}}
+    train.update_task_stats(stats, [group])
+    assert stats["tasks"] == {"q": 0.5} and stats["tiers"]["easy"] == pytest.approx(0.7 * 0.5 + 0.3 * 0.5)
+
+
+def test_partial_credit_is_one_weighted_term_of_the_reward(db):
+    """reward = bonus * correct + partial_credit * overlap with the gold result (judge none)."""
+    from sql_env import Task
+    task = Task(id="t", db_path=db, question="q", gold_sql="SELECT customer_id FROM customers WHERE customer_id <= 4")
+    rows = [("SELECT customer_id FROM customers WHERE customer_id <= 4", True), ("SELECT customer_id FROM customers WHERE customer_id <= 2", False),
+            ("SELECT nope", False), (None, False)]
+    group = SimpleNamespace(task=task, trajectories=[SimpleNamespace(submitted_sql=q, correct=c) for q, c in rows])
+    (rewards,), _, _ = train.score_groups([group], None, "", 1.0, None, partial_credit=0.5)
+    assert rewards == pytest.approx([1.5, 0.25, 0.0, 0.0])
+    (plain,), _, _ = train.score_groups([group], None, "", 1.0, None)
+    assert plain == [1.0, 0.0, 0.0, 0.0]
+
+
+@pytest.mark.parametrize("extra", [["--epochs", "2", "--minibatches", "2"], ["--update", "rft"]])
+def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_dir, tmp_path, scripted_judge,
+                                                                   monkeypatch, extra):
+    """--epochs 2 --minibatches 2 takes 4 optimizer steps per batch; --update rft one supervised step
+    on the correct rollouts (here every even rollout is made correct), and logs it."""
+    import agentrl
+    real = agentrl.rollout_groups
+
+    def some_correct(*args, **kwargs):
+        groups = real(*args, **kwargs)
+        for g in groups:
+            for i, t in enumerate(g.trajectories):
+                t.correct = i % 2 == 0
+        return groups
+    monkeypatch.setattr(agentrl, "rollout_groups", some_correct)
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *extra))
+    step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
+    assert not step["skipped"] and step["mixed_group_rate"] == 1.0
+    if "rft" in extra:
+        assert step["sft_loss"] > 0 and step["tokens"] > 0
+    else:
+        assert step["updates"] == 4 and "kl_old" in step and "clip_frac_high" in step
 
 
 def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
