@@ -339,7 +339,9 @@ class _Forward:
         self.body, self.head, self.device = model.base_model, model.get_output_embeddings(), model.device
         # transformers 5.x is renaming past_key_values= to cache=: take whichever this version has
         self.cache_arg = "cache" if "cache" in inspect.signature(self.body.forward).parameters else "past_key_values"
-        self.counters = dict(forwards=0, fed_tokens=0, fed_columns=0)
+        # cache_columns: KV columns read (every row reads the whole (B, S+W) cache, holes included);
+        # query_key_pairs: attention's work, W new columns each against S+W (bench.py's floor)
+        self.counters = dict(forwards=0, fed_tokens=0, fed_columns=0, logit_rows=0, cache_columns=0, query_key_pairs=0)
         self.seconds = 0.0
 
     def __call__(self, ids, mask, cache, column):
@@ -357,6 +359,9 @@ class _Forward:
         self.counters["forwards"] += 1
         self.counters["fed_tokens"] += int(mask[:, -W:].sum())
         self.counters["fed_columns"] += ids.numel()
+        self.counters["logit_rows"] += len(ids)
+        self.counters["cache_columns"] += mask.numel()
+        self.counters["query_key_pairs"] += ids.numel() * mask.shape[1]
         return logits
 
 

@@ -98,6 +98,42 @@ def bench_rollout(args):
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
+    floor_s, bandwidth, flops = rollout_floor(model, stats)
+    print(f"floor: this machine, measured now: {bandwidth / 1e9:.1f} GB/s (a 1 GiB copy), {flops / 1e9:.0f} GFLOP/s "
+          f"(a 2048^2 fp32 matmul); the forwards' bytes and FLOPs need at least {floor_s:.1f} s, they took "
+          f"{stats['forward_s']:.1f} s: ours is {stats['forward_s'] / floor_s:.1f}x the floor")
+
+
+def rollout_floor(model, stats):
+    """The least time the rollout's forward passes could take on this machine: the larger of (bytes
+    they must read / memory bandwidth) and (their FLOPs / matmul throughput), both measured here.
+    Bytes: the matmul weights once per forward, plus every KV column each forward attends (holes too).
+    FLOPs: 2 per weight per fed token (the lm_head once per row), plus attention's 4 * layers *
+    heads * head_dim per query-key pair. Totals over the rollout, so a little under the sum of
+    per-step floors. Returns (floor seconds, bytes/s, FLOP/s)."""
+    src = torch.empty(2**28)                                    # 1 GiB of fp32
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    t0 = time.perf_counter()
+    for _ in range(3):
+        dst.copy_(src)
+    bandwidth = 3 * 2 * src.numel() * 4 / (time.perf_counter() - t0)   # read + write
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    a @ b
+    t0 = time.perf_counter()
+    for _ in range(5):
+        a @ b
+    flops = 5 * 2 * 2048**3 / (time.perf_counter() - t0)
+    c = model.config
+    head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
+    weights = sum(p.numel() for p in model.parameters())      # a tied embedding and head count once
+    head = model.get_output_embeddings().weight.numel()
+    layers = weights - head - (0 if c.tie_word_embeddings else model.get_input_embeddings().weight.numel())
+    kv_column = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4   # fp32 K and V of one token
+    bytes_read = stats["forwards"] * (layers + head) * 4 + stats["cache_columns"] * kv_column   # the lookup table is not read whole
+    work = (2 * layers * stats["fed_columns"] + 2 * head * stats["logit_rows"]
+            + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * stats["query_key_pairs"])
+    return max(bytes_read / bandwidth, work / flops), bandwidth, flops
 
 
 # ---------------------------------------------------------------- KV cache (agentrl.KVCache)
