@@ -5,6 +5,9 @@
     group.trajectories[0].token_ids                     # exactly what GRPO will train on
     demo = demonstration(tokenizer, task, kind="look")  # a gold demonstration for SFT, as a rollout records it
 
+    python agentrl.py --db shop.sqlite --adapter runs/default "How many orders were placed in May?"
+    python agentrl.py --db shop.sqlite --adapter runs/default  # questions from standard input, one a line
+
 An episode is a conversation: the system prompt (with the tools), a worked example, the question;
 then turns in which the model writes one `<tool_call>{json}</tool_call>` and the environment
 answers with a tool message, until it calls `submit_answer`. A trajectory records every token
@@ -24,6 +27,10 @@ How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows
      context limit, or non-finite logits (fp16 overflow: there is no distribution to sample
      from) (`Trajectory.stop_reason`); finished rows leave the batch;
   6) one forward feeds every row what it was given: a sampled token, or a tool result.
+
+Asking a trained agent (`main`, at the end of this file) is the same engine on one row, greedy,
+on a Task with no gold SQL, with an `on_message` hook that prints each tool call and a short view
+of its observation as the row records them.
 
 Rows are ragged, so the cache is a (B, S) rectangle with holes. The attention mask marks real
 tokens 1 and holes 0, and every forward passes explicit position ids computed from the mask
@@ -48,16 +55,19 @@ Deliberate simplifications, and why they are safe:
 - A waiting row still samples a token each step, which is then ignored: one (B, V) sample
   is cheaper than gathering the rows that need it.
 """
+import argparse
 import inspect
 import json
 import re
+import textwrap
 import time
 from dataclasses import dataclass, field
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
 
-from sql_env import SQLEnv, SQLError, run_query, tables_read
+import lora
+from sql_env import SQLEnv, SQLError, Task, database_tables, run_query, tables_read
 
 # ----------------------------------------------------------------------------- chat and tools
 
@@ -195,6 +205,7 @@ class _Row:
     num_turns: int = 0
     num_tool_calls: int = 0
     num_parse_errors: int = 0
+    on_message: object = None                       # called with each message as it is recorded, or None
 
 
 class _Chat:
@@ -253,7 +264,7 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, stats=None) -> list[TrajectoryGroup]:
+                   make_env=None, forced_turns=None, stats=None, on_message=None) -> list[TrajectoryGroup]:
     """N trajectories for each task, all G*N rows decoded in one batch (the steps in the docstring).
 
     make_env: task -> environment (default sql_env.SQLEnv), with .tools, .call(name, args), .done,
@@ -261,7 +272,9 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     forced_turns: a test hook. forced_turns[i][k] is a text that row i (rows are task-major:
         task g, sample j is row g*n + j) emits at the start of turn k instead of sampling; the
         row then samples on. The log-probs recorded for forced tokens are still the raw model's.
-    stats: a dict to fill with engine counters (forward_s, total_s, forwards, fed_tokens, ...)."""
+    stats: a dict to fill with engine counters (forward_s, total_s, forwards, fed_tokens, ...).
+    on_message: called as on_message(row, message) when a row records an assistant turn or a tool
+        message, while the batch is still decoding: to show an episode as it happens."""
     t_start, was_training = time.perf_counter(), model.training
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
@@ -270,7 +283,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0)
 
     # 1) one prompt per task, encoded once (one forward over the G prompts)
-    rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns)
+    rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
     cache = KVCache(config=model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
     mask, logits = _prefill(forward, prompts, cache, pad_id)                        # (G, P), (G, V)
     counters["prompt_tokens"] = sum(map(len, prompts))
@@ -365,7 +378,7 @@ class _Forward:
         return logits
 
 
-def _start_rows(tasks, n, chat, limits, make_env, forced_turns):
+def _start_rows(tasks, n, chat, limits, make_env, forced_turns, on_message=None):
     """The rows of a rollout, task-major (task g, sample j is row g*n + j), each with its own
     environment and the task's prompt: system prompt with the tools, the demonstration, the
     question, through the chat template. Returns (rows, one prompt's token ids per task)."""
@@ -379,9 +392,10 @@ def _start_rows(tasks, n, chat, limits, make_env, forced_turns):
         prompts.append(prompt)
         for env in envs:
             forced = [chat.encode(text) for text in forced_turns[len(rows)]] if forced_turns else []
+            hook = (lambda message, row=len(rows): on_message(row, message)) if on_message else None
             rows.append(_Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
                              [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
-                             text_len=len(chat.decode(prompt))))
+                             text_len=len(chat.decode(prompt)), on_message=hook))
     return rows, prompts
 
 
@@ -555,7 +569,7 @@ def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool 
     # the turn's text, decoded in context (exact for any tokenizer), minus a sampled stop token
     sampled_end = len(row.token_ids) - 1 if eos else len(row.token_ids)
     content = chat.decode(row.token_ids[:sampled_end])[row.text_len:]
-    row.messages.append({"role": "assistant", "content": content})
+    _record(row, {"role": "assistant", "content": content})
     row.num_turns += 1
     if truncated:
         return _finish(row, truncated, chat)
@@ -568,7 +582,7 @@ def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool 
     except ToolCallError as e:
         row.num_parse_errors += 1
         observation = f'Error: {e}. Write <tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>'
-    row.messages.append({"role": "tool", "content": observation})
+    _record(row, {"role": "tool", "content": observation})
     if row.env.done:
         return _finish(row, "submitted", chat)
     if row.num_turns >= limits.max_turns:
@@ -586,6 +600,13 @@ def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool 
     row.mask += [0] * len(suffix)
     row.logprobs += [0.0] * len(suffix)
     row.turn_start, row.text_len = len(row.token_ids), len(chat.decode(row.token_ids))
+
+
+def _record(row: _Row, message: dict):
+    """Add a message to the row's conversation, and show it to the caller's hook if there is one."""
+    row.messages.append(message)
+    if row.on_message:
+        row.on_message(message)
 
 
 def _finish(row: _Row, reason: str, chat):
@@ -702,3 +723,107 @@ class KVCache(Cache):
 
     def get_mask_sizes(self, query_length: int, layer_idx: int = 0) -> tuple[int, int]:
         return self.layers[layer_idx].length + query_length, 0
+
+
+# ----------------------------------------------------------------------------- asking a trained agent
+NO_ANSWER = {   # why an episode ended without a submitted query, in words
+    "no_tool_call": "the agent answered in prose instead of calling a tool",
+    "max_turns": "the agent used all its turns without submitting (--max-turns)",
+    "max_new_tokens": "a turn ran past --max-new-tokens",
+    "max_context": "the conversation outgrew --max-context",
+    "non_finite_logits": "the model's logits were not finite (numeric overflow)",
+}
+
+
+def short_view(text, max_lines=6, width=100) -> str:
+    """The first lines of a text, each cut to `width` characters, saying how many were left out."""
+    lines = text.split("\n")
+    shown = [line if len(line) <= width else line[:width - 3] + "..." for line in lines[:max_lines]]
+    return "\n".join(shown + ([f"... ({len(lines) - max_lines} more lines)"] if len(lines) > max_lines else []))
+
+
+def show_message(message, turn) -> str:
+    """A recorded message as the terminal shows it: a tool call as `turn. name  arguments`, an
+    observation as an indented short view, a turn without a usable call as what it says."""
+    if message["role"] == "tool":
+        return textwrap.indent(short_view(message["content"]), "       ")
+    try:
+        name, args = parse_tool_call(message["content"])
+    except ToolCallError as e:
+        return f"  {turn:>2}. no usable tool call ({e}):\n" + textwrap.indent(short_view(message["content"], 3), "       ")
+    plain = all(isinstance(v, str) for v in args.values())
+    return (f"  {turn:>2}. {name}  " + (" ".join(args.values()) if plain else json.dumps(args))).rstrip()
+
+
+def ask(model, tokenizer, db_path, question, limits=Limits(max_turns=4, max_new_tokens=256)) -> Trajectory:
+    """One greedy episode on a question about any SQLite database, printed as it happens (each tool
+    call, a short view of each observation), then the submitted query and its result rows, run
+    again in the sandbox, or "no answer" and why. The question has no gold SQL: nothing is scored."""
+    task, turns = Task("ask", db_path, question, gold_sql=None), []
+
+    def show(row, message):
+        turns.append(message["role"] == "assistant")
+        print(show_message(message, sum(turns)), flush=True)
+
+    trajectory = rollout_group(model, tokenizer, task, 1, Sampling(greedy=True), limits, on_message=show).trajectories[0]
+    if trajectory.submitted_sql is None:
+        print(f"no answer: {NO_ANSWER.get(trajectory.stop_reason, trajectory.stop_reason)}")
+    else:
+        result = SQLEnv(task).call("run_sql", {"query": trajectory.submitted_sql})
+        print(f"answer: {trajectory.submitted_sql}\n" + textwrap.indent(result, "  "))
+    return trajectory
+
+
+def questions_from_stdin():
+    """Questions typed (or piped) one a line, until the end of input; blank lines are skipped."""
+    while True:
+        try:
+            line = input("question> ")
+        except EOFError:
+            print()
+            return
+        if line.strip():
+            yield line.strip()
+
+
+def main(argv=None) -> list[Trajectory]:
+    p = argparse.ArgumentParser(description="Ask an agent questions about a SQLite database: one greedy episode "
+                                            "per question, printed as it happens.")
+    p.add_argument("question", nargs="?", help="the question; without one, questions are read from standard input")
+    p.add_argument("--db", required=True, help="the SQLite file to ask about (opened read-only, in the training sandbox)")
+    p.add_argument("--adapter", default=None, help="a trained adapter: its folder, or a run folder (its final adapter, "
+                                                   "else its latest checkpoint); default: none, the base model")
+    p.add_argument("--model", default=None, help="the base model (hub id or folder); default: the one the adapter "
+                                                 "records, else the embedded SmolLM2-135M-Instruct")
+    p.add_argument("--max-turns", type=int, default=4, help="assistant turns per episode")
+    p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn")
+    p.add_argument("--max-context", type=int, default=4096, help="tokens per episode, prompt included")
+    args = p.parse_args(argv)
+    if min(args.max_turns, args.max_new_tokens, args.max_context) < 1:
+        p.error("--max-turns, --max-new-tokens and --max-context must be >= 1")
+    if args.question is not None and not args.question.strip():
+        p.error("the question is empty")
+    try:       # a bad path gets one line, before any model is loaded
+        tables = database_tables(args.db)
+        adapter = lora.find_adapter(args.adapter) if args.adapter else None
+    except (SQLError, FileNotFoundError) as e:
+        raise SystemExit(f"error: {e}") from None
+    model_name = args.model or (lora.adapter_base_model(adapter) if adapter else None)
+    model, tokenizer = lora.load_model(model_name)
+    if adapter:
+        try:
+            lora.load_adapter(model, adapter)
+        except (AssertionError, RuntimeError) as e:     # the adapter was trained on another base model
+            raise SystemExit(f"error: the adapter {adapter} does not fit {model_name or lora.EMBEDDED_NAME}: {e}") from None
+    print(f"database: {args.db} ({len(tables)} table{'s' * (len(tables) != 1)}) | model: {model_name or lora.EMBEDDED_NAME}"
+          f" | adapter: {adapter or 'none'}")
+    limits = Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
+    trajectories = []
+    for question in [args.question] if args.question is not None else questions_from_stdin():
+        print(f"question: {question}")
+        trajectories.append(ask(model, tokenizer, args.db, question, limits))
+    return trajectories
+
+
+if __name__ == "__main__":
+    main()

@@ -140,13 +140,20 @@ def serialize_naive(conversations: list[list[dict]]) -> str:
 def serialize_ruler(conversations: list[list[dict]]) -> str:
     """RULER's layout: the messages common to *all* trajectories once, then each remainder."""
     _check(conversations)
-    n = 0  # length of the common prefix, in messages
-    while all(len(c) > n for c in conversations) and all(
-            _key(c[n]) == _key(conversations[0][n]) for c in conversations):
-        n += 1
+    n = shared_prefix_length(conversations)
     blocks = [_render_block(list(range(1, len(conversations) + 1)), conversations[0][:n])] if n else []
     blocks += [_render_block([i], c[n:]) for i, c in enumerate(conversations, 1) if c[n:]]
     return "\n".join(blocks)
+
+
+def shared_prefix_length(conversations: list[list[dict]]) -> int:
+    """How many leading messages every conversation shares: the block that RULER's layout, and the
+    trie's first block, print once for the whole group."""
+    n = 0
+    while all(len(c) > n for c in conversations) and all(
+            _key(c[n]) == _key(conversations[0][n]) for c in conversations):
+        n += 1
+    return n
 
 
 def _key(message: dict) -> tuple[str, str]:
@@ -280,6 +287,20 @@ def parse_scores(text: str, n: int) -> tuple[list[float], list[str], int]:
 
 
 # ---------------------------------------------------------------- scoring a group
+def deduplicate(conversations: list[list[dict]]) -> tuple[list[list[dict]], list[int]]:
+    """(unique, index): the distinct conversations in first-seen order, and for each conversation
+    the position of its copy in `unique`. The judge's prompt numbers `unique` 1, 2, ...: the
+    trajectory i of a group is the judge's trajectory index[i] + 1."""
+    unique, index, seen = [], [], {}
+    for conv in conversations:
+        key = json.dumps([_key(m) for m in conv])
+        if key not in seen:
+            seen[key] = len(unique)
+            unique.append(conv)
+        index.append(seen[key])
+    return unique, index
+
+
 def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_RUBRIC,
                 max_retries: int = 2, cache_dir: str | None = None) -> JudgeResult:
     """Relative scores in [0, 1] for a group of trajectories that attempted the same task.
@@ -290,13 +311,7 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
     _check(conversations)
     assert max_retries >= 0, "max_retries must be >= 0"
     # 1) identical trajectories are judged once: unique[k] stands for every i with index[i] == k
-    unique, index, seen = [], [], {}
-    for conv in conversations:
-        key = json.dumps([_key(m) for m in conv])
-        if key not in seen:
-            seen[key] = len(unique)
-            unique.append(conv)
-        index.append(seen[key])
+    unique, index = deduplicate(conversations)
 
     def expand(scores, explanations, **info) -> JudgeResult:
         return JudgeResult([scores[k] for k in index], [explanations[k] for k in index], True, **info)

@@ -5,6 +5,8 @@
     save_adapter(model, "runs/x/final")             # adapter_model.safetensors + adapter_config.json
     load_adapter(model, "runs/x/final")             # ours or peft's, applied to a fresh model
 
+    python lora.py export --adapter runs/x --out runs/x/merged   # a plain transformers model, LoRA folded in
+
 LoRA (Hu et al. 2021, arXiv:2106.09685) freezes each adapted weight W (out, in) and learns a
 low-rank update: y = W x + (alpha / r) * B A x, with A (r, in) and B (out, r). B starts at zero,
 so a fresh adapter changes nothing; only A and B train, a fraction of a percent of the model.
@@ -22,6 +24,7 @@ Deliberate simplifications, and why they are safe:
   biases are refused by name when loading, rather than loaded wrong.
 - A and B are always fp32, whatever the base weights' dtype (see precision_for).
 """
+import argparse
 import importlib.util
 import json
 import math
@@ -33,7 +36,7 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AutoModelForCausalLM, AutoTokenizer
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer
 
 from files import atomic_folder, atomic_path, cache_dir, write_text_atomic
 
@@ -241,3 +244,80 @@ def merge_adapter(model):
                 base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
                 setattr(module, name, base)
     return model
+
+
+# ----------------------------------------------------------------------------- finding and exporting adapters
+def find_adapter(path) -> Path:
+    """The adapter folder `path` means: an adapter folder itself, or a run folder (train.py --out),
+    whose final adapter is taken, else its latest checkpoint. Raises FileNotFoundError naming
+    where it looked."""
+    path = Path(path)
+    candidates = [path, path / "final"]
+    latest = path / "checkpoints" / "latest"
+    if latest.is_file():
+        candidates.append(path / "checkpoints" / latest.read_text().strip())
+    for folder in candidates:
+        if (folder / "adapter_config.json").is_file():
+            return folder
+    raise FileNotFoundError(f"{path}: no adapter there (looked for adapter_config.json in it, in final/ "
+                            f"and in the checkpoint named by checkpoints/latest)")
+
+
+def adapter_base_model(folder) -> str | None:
+    """The base model an adapter was trained on, as load_model takes it: the hub id or folder its
+    config records, or None (the embedded default) for the converted embedded model, whichever
+    cache folder it was converted into."""
+    base = json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path") or None
+    return None if base is None or Path(base).name == EMBEDDED_NAME else base
+
+
+EXPORT_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+def export_merged(adapter, out, model_name=None, dtype="auto") -> Path:
+    """Write the base model with the adapter folded in (merge_adapter) as a plain transformers
+    folder (safetensors weights, config, tokenizer with its chat template), which
+    AutoModelForCausalLM.from_pretrained loads without this project. The merge runs in fp32 on
+    the CPU (a 3B model needs about 12 GB of memory); the weights are then saved in `dtype`
+    ("auto": the dtype the base model's own config records, else fp32). `out` is replaced whole,
+    so a folder that holds anything but an earlier export is refused (ValueError), never emptied."""
+    folder, out = find_adapter(adapter), Path(out)
+    if out.resolve() == folder.resolve() or out.resolve() in folder.resolve().parents:
+        raise ValueError(f"--out {out} holds the adapter itself; choose a new folder")
+    if out.exists() and any(out.iterdir()) and not (out / "config.json").is_file():
+        raise ValueError(f"--out {out} holds files that are not a model export; choose a new folder")
+    base = model_name if model_name is not None else adapter_base_model(folder)
+    if dtype == "auto":
+        recorded = AutoConfig.from_pretrained(base or embedded_model_dir()).dtype
+        dtype = recorded if isinstance(recorded, torch.dtype) else EXPORT_DTYPES.get(recorded, torch.float32)
+    else:
+        dtype = EXPORT_DTYPES[dtype]
+    model, tokenizer = load_model(base, device="cpu", dtype=torch.float32)
+    load_adapter(model, folder)
+    merge_adapter(model).to(dtype)
+    with atomic_folder(out) as tmp:          # a folder that appears whole, or not at all
+        model.save_pretrained(tmp)
+        tokenizer.save_pretrained(tmp)
+    return out
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description="Adapters: python lora.py export --adapter DIR --out DIR")
+    commands = p.add_subparsers(dest="command", required=True)
+    export = commands.add_parser("export", help="write a merged model (base + adapter) that transformers loads alone")
+    export.add_argument("--adapter", required=True, help="an adapter folder, or a run folder (its final adapter)")
+    export.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
+    export.add_argument("--model", default=None,
+                        help="the base model (hub id or folder); default: the one the adapter records")
+    export.add_argument("--dtype", choices=["auto", *EXPORT_DTYPES], default="auto",
+                        help="dtype of the saved weights; auto: the base model's own")
+    args = p.parse_args(argv)
+    try:
+        out = export_merged(args.adapter, args.out, args.model, args.dtype)
+    except (FileNotFoundError, ValueError, AssertionError) as e:   # no adapter, a bad --out, an adapter that does not fit
+        raise SystemExit(f"export: {e}") from None
+    print(f"merged model written to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it")
+
+
+if __name__ == "__main__":
+    main()

@@ -68,7 +68,7 @@ class Task:
     id: str
     db_path: str
     question: str
-    gold_sql: str
+    gold_sql: str | None            # None: a user's question (agentrl.py --db), submitted but not scored
     evidence: str = ""              # a hint that comes with the question (BIRD), "" if none
     difficulty: str = "easy"        # one of TIERS
     split: str = "train"
@@ -140,6 +140,22 @@ def run_query(db_path, sql, timeout_s=2.0, max_rows=1000, max_bytes=MAX_RESULT_B
         raise SQLError(str(e)) from None
     finally:
         con.close()
+
+
+def database_tables(db_path):
+    """The names of the tables in a database someone wants to ask about, read through the sandbox.
+    Raises SQLError with one clear line when the file is missing, is not a SQLite database, or
+    holds no table."""
+    sql = "SELECT name FROM sqlite_master WHERE type = 'table' AND name NOT LIKE 'sqlite_%' ORDER BY name"
+    try:
+        rows = run_query(db_path, sql)[1]
+    except SQLError as e:
+        if not os.path.isfile(db_path):
+            raise
+        raise SQLError(f"{db_path} is not a SQLite database ({e})") from None
+    if not rows:
+        raise SQLError(f"{db_path} holds no tables: there is nothing to ask about")
+    return [name for name, in rows]
 
 
 def tables_read(db_path, sql):
@@ -357,6 +373,8 @@ class SQLEnv:
 
     def _submit_answer(self, query):
         self.done, self.submitted_sql = True, query
+        if self.task.gold_sql is None:       # a question with no known answer: nothing to score against
+            return "Answer submitted."
         try:
             self.correct, self.submit_error = execution_outcome(self.task.db_path, query, self.task.gold_sql,
                                                                 self.timeout_s)

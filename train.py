@@ -4,6 +4,7 @@
     python train.py --steps 50 --group-size 8        # any knob below is one flag away
     python train.py --resume --out runs/default      # continue a killed run from its last checkpoint
     python train.py --eval-only --adapter runs/default/final   # evaluate a trained adapter
+    python train.py --report runs/default            # rebuild the run's report.html from its folder
 
 Before the loop, on a fresh run: evaluate the base model (on the embedded data, on two held-out
 splits: test, new questions on the schemas trained on, and test_schema, the same questions on a
@@ -25,7 +26,8 @@ the whole algorithm:
                          passes over the batch, --minibatches steps each (grpo.grpo_update);
                          or, as the control, --update rft: one supervised step on the step's
                          correct rollouts (rejection-sampling fine-tuning)
-    6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl
+    6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl,
+                         the plot and report.html (report.py)
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter + optimizer +
                          RNG state written atomically, so a killed run resumes with nothing lost
 
@@ -53,6 +55,7 @@ import agentrl
 import grpo
 import judge as judge_lib
 import lora
+import report
 import sql_env
 from files import atomic_folder, atomic_path, write_text_atomic
 
@@ -150,6 +153,7 @@ def parse_args(argv=None):
     g.add_argument("--out", default="runs/default", help="run folder")
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seeds tasks, sampling and LoRA init")
+    g.add_argument("--report", metavar="RUN", default=None, help="rebuild RUN/report.html from the run folder and exit")
     args = p.parse_args(argv)
 
     if args.sft_steps < 0 or args.sft_batch_size < 1:
@@ -530,7 +534,8 @@ def run(args):
                              frontier_tasks=frontier_before,
                              time_rollout=t_rollout, time_judge=t_judge, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
-        write_trajectories(args.out, step, groups, rewards, results)
+        trained = {id(t): a for t, a in zip(batch, advantages)} if args.update == "grpo" else {}  # (rft uses none)
+        write_trajectories(args.out, step, groups, rewards, results, trained)
         if stats.get("skipped"):
             tqdm.write(f"step {step}: update skipped ({stats.get('skip_reason', 'unknown')})")
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}", s=f"{record['time_step']:.0f}")
@@ -544,6 +549,7 @@ def run(args):
         if step % args.checkpoint_every == 0 or step == args.steps:
             save_checkpoint(args.out, model, optimizer, scaler, step, task_stats)
         plot_run(args.out)
+        report.write_report(args.out)
     bar.close()
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
@@ -553,6 +559,7 @@ def run(args):
     final_dir = os.path.join(args.out, "final")
     lora.save_adapter(model, final_dir)
     plot_run(args.out)
+    report.write_report(args.out)
     return print_summary(args, metrics_path, final_dir)
 
 
@@ -622,18 +629,20 @@ def step_record(step, groups, rewards, counts, stats, **extra):
     }
 
 
-def write_trajectories(run_dir, step, groups, rewards, results):
-    """trajectories/step_XXXX.jsonl: every conversation of the step with its reward and judgement."""
-    lines = []
-    for group, group_rewards, result in zip(groups, rewards, results):
+def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
+    """trajectories/step_XXXX.jsonl: every conversation of the step with its reward, judgement and
+    advantage. trained: {id(trajectory): advantage} for the trajectories the update trained on;
+    the others get None (their group carried no signal, or the row was cut)."""
+    lines, trained = [], trained or {}
+    for g, (group, group_rewards, result) in enumerate(zip(groups, rewards, results)):
         task = group.task
         for i, t in enumerate(group.trajectories):
             lines.append(json.dumps({
-                "step": step, "task_id": task.id, "difficulty": task.difficulty, "question": task.question,
-                "gold_sql": task.gold_sql, "submitted_sql": t.submitted_sql, "correct": t.correct,
+                "step": step, "group": g, "task_id": task.id, "difficulty": task.difficulty,
+                "question": task.question, "gold_sql": task.gold_sql, "submitted_sql": t.submitted_sql, "correct": t.correct,
                 "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
                 "judge_explanation": result.explanations[i] if result.explanations else "",
-                "stop_reason": t.stop_reason, "messages": t.messages}) + "\n")
+                "advantage": trained.get(id(t)), "stop_reason": t.stop_reason, "messages": t.messages}) + "\n")
     write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
 
 
@@ -657,13 +666,21 @@ def print_summary(args, metrics_path, final_dir):
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started)")
     print(f"adapter:    {final_dir}  (PEFT layout)")
-    print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}")
+    print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}   "
+          f"report: {os.path.join(args.out, 'report.html')}")
     print(f"evaluate:   python train.py --eval-only --adapter {final_dir}" + (f" --model {args.model}" if args.model else ""))
     return evals[-1]
 
 
 def main(argv=None):
     args = parse_args(argv)
+    if args.report:
+        try:
+            path = report.write_report(args.report)
+        except FileNotFoundError as e:
+            raise SystemExit(f"--report: {e}") from None
+        print(f"report: {path}")
+        return path
     try:
         return run(args)
     except OSError as e:

@@ -106,6 +106,15 @@ def tiny_model_factory():
     return build_tiny_model
 
 
+@pytest.fixture(scope="session")
+def tiny_model_dir(tmp_path_factory, smol_tokenizer):
+    """The tiny Llama (seed 0) saved with the embedded tokenizer: a folder lora.load_model and the CLIs take."""
+    folder = tmp_path_factory.mktemp("tiny-model")
+    build_tiny_model("llama", seed=0).save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
 @pytest.fixture
 def tiny_llama():
     return build_tiny_model("llama")

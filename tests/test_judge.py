@@ -17,8 +17,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, parse_scores, parse_serialized,
-                   score_group, serialize_naive, serialize_ruler, serialize_trie)
+from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, deduplicate, parse_scores, parse_serialized,
+                   score_group, serialize_naive, serialize_ruler, serialize_trie, shared_prefix_length)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -101,6 +101,17 @@ def test_identical_trajectories_share_one_branch():
     text = serialize_trie([a, b, a])
     assert text.count("There are 6.") == 1 and "=== trajectories 1, 3 ===" in text
     assert parse_serialized(text) == [a, b, a]
+
+
+def test_shared_prefix_and_the_judges_numbering():
+    """The prefix every trajectory shares is RULER's common block (the report prints it once), and
+    the judge numbers distinct conversations only: with 1 and 3 identical, the third trajectory
+    is the judge's 1 and the fourth its 3 (the report says so beside each)."""
+    a, b, c = group()
+    assert shared_prefix_length([a, b, c]) == 2 and shared_prefix_length([a, b]) == 4
+    assert serialize_ruler([a, b]).startswith("=== trajectories 1, 2 ===\n[system]\n")
+    unique, index = deduplicate([a, b, a, c])
+    assert unique == [a, b, c] and index == [0, 1, 0, 2]
 
 
 def test_single_trajectory():

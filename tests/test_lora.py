@@ -195,3 +195,78 @@ def test_lora_stays_fp32_over_an_fp16_base_with_and_without_autocast():
         assert layer.lora_A.weight.grad.dtype == layer.lora_B.weight.grad.dtype == torch.float32
         assert base.weight.grad is None
         layer.zero_grad(set_to_none=True)
+
+
+# ---------------------------------------------------------------- export
+def trained_run(model_dir, run_dir):
+    """A run folder whose final adapter is random but nonzero, on the tiny model loaded from disk
+    (so the adapter records that folder as its base). Returns the adapted model."""
+    model, _ = lora.load_model(model_dir)
+    lora.apply_lora(model, r=4, alpha=8)
+    _perturb(model)
+    lora.save_adapter(model, run_dir / "final")
+    return model
+
+
+@pytest.mark.parametrize("dtype, tolerance", [("auto", 1e-4), ("bfloat16", 5e-2)])
+def test_export_is_a_plain_transformers_model_with_the_same_logits(dtype, tolerance, tiny_model_dir, tmp_path):
+    """`lora.py export` writes a folder AutoModelForCausalLM and AutoTokenizer load with no project
+    code (no LoRA modules, no remote code), whose logits are the adapter-applied model's: to fp32
+    rounding, or to bf16's (relative to the logits' scale) when exported in bfloat16."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+    adapted = trained_run(tiny_model_dir, tmp_path / "run")
+    lora.main(["export", "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "merged"), "--dtype", dtype])
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.dtype == (torch.float32 if dtype == "auto" else torch.bfloat16)
+    assert not any(isinstance(m, lora.LoRALinear) for m in merged.modules())
+    assert "auto_map" not in json.loads((tmp_path / "merged" / "config.json").read_text())
+    assert AutoTokenizer.from_pretrained(tmp_path / "merged").chat_template
+    want = logits(adapted)
+    with lora.lora_disabled(adapted):
+        base = logits(adapted)
+    got = logits(merged).float()
+    assert (got - want).abs().max() <= tolerance * want.abs().max()
+    assert (base - want).abs().max() > 10 * tolerance * want.abs().max(), "the adapter must make a visible difference"
+
+
+def test_export_agrees_with_peft(tiny_model_dir, tmp_path):
+    """peft, loading the unmerged adapter onto the base model, computes what the export does."""
+    if importlib.util.find_spec("peft") is None:
+        pytest.skip("peft is not installed: this cross-check of the export against peft needs `pip install peft`")
+    import peft
+    from transformers import AutoModelForCausalLM
+    trained_run(tiny_model_dir, tmp_path / "run")
+    lora.main(["export", "--adapter", str(tmp_path / "run"), "--out", str(tmp_path / "merged")])
+    theirs = peft.PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tiny_model_dir), str(tmp_path / "run" / "final"))
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(logits(theirs), logits(merged), atol=1e-4)
+
+
+def test_export_refuses_what_it_would_destroy(tiny_model_dir, tmp_path):
+    """No adapter, an --out folder holding other files, or an --out that holds the adapter itself:
+    one clear message, and nothing is removed or written."""
+    trained_run(tiny_model_dir, tmp_path / "run")
+    (tmp_path / "notes").mkdir()
+    (tmp_path / "notes" / "keep.txt").write_text("mine")
+    cases = [(tmp_path / "nothing", tmp_path / "out", "no adapter there"),
+             (tmp_path / "run", tmp_path / "notes", "not a model export"),
+             (tmp_path / "run", tmp_path / "run", "holds the adapter"),
+             (tmp_path / "run", tmp_path / "run" / "final", "holds the adapter")]
+    for adapter, out, message in cases:
+        with pytest.raises(SystemExit, match=message):
+            lora.main(["export", "--adapter", str(adapter), "--out", str(out)])
+    assert (tmp_path / "notes" / "keep.txt").read_text() == "mine" and not (tmp_path / "out").exists()
+    assert sorted(p.name for p in (tmp_path / "run" / "final").iterdir()) == ["adapter_config.json",
+                                                                            "adapter_model.safetensors"]
+
+
+def test_find_adapter_takes_a_run_folder(tmp_path, tiny_llama):
+    """A run folder means its final adapter, else the checkpoint `latest` names; an adapter
+    folder means itself."""
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    lora.save_adapter(tiny_llama, tmp_path / "run" / "checkpoints" / "step_0003")
+    (tmp_path / "run" / "checkpoints" / "latest").write_text("step_0003")
+    assert lora.find_adapter(tmp_path / "run") == tmp_path / "run" / "checkpoints" / "step_0003"
+    lora.save_adapter(tiny_llama, tmp_path / "run" / "final")
+    assert lora.find_adapter(tmp_path / "run") == tmp_path / "run" / "final"
+    assert lora.find_adapter(tmp_path / "run" / "final") == tmp_path / "run" / "final"

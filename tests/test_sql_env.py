@@ -106,6 +106,15 @@ def test_broken_gold_is_recorded_not_raised(db):
     assert not env.correct and "no such table" in env.gold_error
 
 
+def test_a_question_without_gold_sql_is_submitted_not_scored(db):
+    """A user's question (agentrl.py --db) has no gold SQL: the submission ends the episode and is
+    recorded, and nothing is scored or reported as a broken gold."""
+    env = env_for(db, gold=None)
+    assert env.call("submit_answer", {"query": "SELECT COUNT(*) FROM customers"}) == "Answer submitted."
+    assert env.done and env.submitted_sql == "SELECT COUNT(*) FROM customers"
+    assert not env.correct and env.gold_error is None and env.submit_error is None
+
+
 def test_behaviour_is_counted(db):
     """The environment records what the agent did, not only whether it was right: describe_table
     calls (a wrong name included) and whether the submitted query itself failed to run. A query
@@ -260,6 +269,21 @@ def test_read_only_introspection_is_allowed(db):
 def test_missing_database_is_a_clear_error(tmp_path):
     with pytest.raises(SQLError, match="no database file at"):
         run_query(str(tmp_path / "nope.sqlite"), "SELECT 1")
+
+
+def test_database_tables_names_what_is_wrong_with_a_file(db, tmp_path):
+    """Asking about a database checks it first: its tables, or one clear line for a missing file,
+    a file that is not SQLite, and a database with no table; none of them is changed."""
+    assert {"customers", "orders"} <= set(sql_env.database_tables(db))
+    (tmp_path / "notes.sqlite").write_text("hello, not a database")
+    sqlite3.connect(tmp_path / "empty.sqlite").execute("PRAGMA user_version = 1").connection.close()
+    before = {p.name: sha256(p) for p in tmp_path.iterdir()}
+    for name, message in [("nope.sqlite", "no database file at"), ("notes.sqlite", "is not a SQLite database"),
+                          ("empty.sqlite", "holds no tables")]:
+        with pytest.raises(SQLError, match=message) as e:
+            sql_env.database_tables(str(tmp_path / name))
+        assert "\n" not in str(e.value)
+    assert {p.name: sha256(p) for p in tmp_path.iterdir()} == before
 
 
 # ----------------------------------------------------------------------------- loaders

@@ -1,0 +1,338 @@
+"""The run report: one static HTML page that shows what a training run did, built from its folder.
+
+    python train.py --report runs/default      # rebuild runs/default/report.html from the folder
+    write_report("runs/default")               # what train.py calls at each step and at the end
+
+What this file owns: reading a run folder (config.json, metrics.jsonl, trajectories/step_XXXX.jsonl,
+progress.png, all written by train.py) and rendering it as `report.html`, one self-contained file
+that any browser opens from disk: no server, no network, no JavaScript; the CSS is inline and the
+plot is embedded as a base64 PNG. Long parts fold with the browser's own <details> element.
+
+The page, top to bottom: the config; held-out accuracy by phase (base, after SFT, steps) and tier,
+for every evaluated split; the learning curves; then every step and its groups. A group shows its
+question and gold SQL, the messages all its trajectories share printed once (the block the judge's
+prompt prints once: judge.shared_prefix_length), then each trajectory (numbered as the judge's
+prompt numbers them) with its turns (tool calls by name, SQL highlighted, observations as text), whether
+it was correct, its reward, the advantage the update gave it, and the judge's score and explanation.
+
+Everything taken from a trajectory (model output, agent SQL, tool observations, the judge's text)
+is untrusted: it reaches the page only through html.escape, so a `<script>` an agent writes shows
+as text. A line of a trajectories file that cannot be read (a run killed mid-write) is skipped and
+counted on the page, never fatal: the training loop rewrites this page every step.
+
+Deliberate simplifications, and why they are safe: the SQL highlighter colours keywords, strings
+and numbers with one regular expression and never changes the text (it is for reading, not
+parsing); a trajectory is shown in full after the shared prefix, where the judge's trie also
+shares branches among some trajectories (the page stays readable one trajectory at a time).
+"""
+import base64
+import html
+import json
+import re
+import time
+from pathlib import Path
+
+import agentrl
+import judge
+from files import write_text_atomic
+from sql_env import TIERS
+
+# ----------------------------------------------------------------------------- reading a run folder
+
+
+def read_jsonl(path) -> tuple[list[dict], int]:
+    """The records of a JSON-lines file, and how many lines could not be read (cut short by a kill)."""
+    records, unreadable = [], 0
+    for line in Path(path).read_text(encoding="utf-8").splitlines():
+        if not line.strip():
+            continue
+        try:
+            record = json.loads(line)
+        except json.JSONDecodeError:
+            unreadable += 1
+            continue
+        if isinstance(record, dict):
+            records.append(record)
+        else:
+            unreadable += 1
+    return records, unreadable
+
+
+def read_run(run_dir) -> dict:
+    """Everything the page shows, read from the folder: config, metrics, trajectories by step."""
+    run_dir = Path(run_dir)
+    if not (run_dir / "metrics.jsonl").is_file():
+        raise FileNotFoundError(f"{run_dir}: not a run folder (no metrics.jsonl; train.py --out writes one)")
+    config_path = run_dir / "config.json"
+    config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
+    metrics, unreadable = read_jsonl(run_dir / "metrics.jsonl")
+    trajectories = {}
+    for path in sorted((run_dir / "trajectories").glob("step_*.jsonl")):
+        records, bad = read_jsonl(path)
+        trajectories[int(path.stem[len("step_"):])] = records
+        unreadable += bad
+    plot = run_dir / "progress.png"
+    return {"name": run_dir.resolve().name, "config": config, "metrics": metrics, "trajectories": trajectories,
+            "plot": plot.read_bytes() if plot.is_file() else None, "unreadable": unreadable}
+
+
+def groups_of(records) -> list[list[dict]]:
+    """A step's trajectory records split into its groups: by their `group` index, or, in files
+    written before it was recorded, by runs of the same task id."""
+    groups, key = [], None
+    for record in records:
+        this = record.get("group", record.get("task_id"))
+        if not groups or this != key:
+            groups.append([])
+            key = this
+        groups[-1].append(record)
+    return groups
+
+
+def split_results(record) -> list[tuple[str, dict]]:
+    """(split, {accuracy, tasks, by_tier}) for every split in an evaluation record: the first under
+    the eval_* keys (named by eval_split), each other under its own name (test_schema_accuracy)."""
+    prefixes = ["eval"] + [k[:-len("_accuracy_by_tier")] for k in record
+                           if k.endswith("_accuracy_by_tier") and k != "eval_accuracy_by_tier"]
+    return [(record.get("eval_split", "eval") if prefix == "eval" else prefix,
+             {"accuracy": record.get(f"{prefix}_accuracy"), "tasks": record.get(f"{prefix}_tasks"),
+              "by_tier": record.get(f"{prefix}_accuracy_by_tier") or {}}) for prefix in prefixes]
+
+
+# ----------------------------------------------------------------------------- small renderers
+def esc(value) -> str:
+    """Any value as escaped text: the only way untrusted text reaches the page."""
+    return html.escape(str(value), quote=True)
+
+
+def number(value, digits=3) -> str:
+    if value is None:
+        return "&ndash;"
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return esc(value)
+    return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
+
+
+SQL_KEYWORDS = set("""SELECT FROM WHERE JOIN INNER LEFT RIGHT OUTER CROSS NATURAL ON USING GROUP BY ORDER HAVING
+LIMIT OFFSET AS AND OR NOT IN IS NULL LIKE GLOB BETWEEN EXISTS DISTINCT ALL UNION INTERSECT EXCEPT CASE WHEN THEN
+ELSE END ASC DESC WITH RECURSIVE COUNT SUM AVG MIN MAX CAST ROUND COALESCE IFNULL LENGTH LOWER UPPER SUBSTR
+STRFTIME DATE""".split())
+SQL_TOKEN = re.compile(r"(?P<string>'(?:[^']|'')*'?)|(?P<number>\b\d+(?:\.\d+)?\b)|(?P<word>[A-Za-z_]\w*)|(?P<other>.)",
+                       re.DOTALL)
+
+
+def highlight_sql(sql: str) -> str:
+    """SQL as escaped HTML with keywords, strings and numbers in spans; the text itself unchanged."""
+    parts = []
+    for match in SQL_TOKEN.finditer(sql):
+        text, kind = esc(match.group()), match.lastgroup
+        if kind == "word" and match.group().upper() in SQL_KEYWORDS:
+            kind = "kw"
+        parts.append(f'<span class="{kind}">{text}</span>' if kind in ("kw", "string", "number") else text)
+    return "".join(parts)
+
+
+def sql_block(sql, missing="none") -> str:
+    return f'<pre class="sql">{highlight_sql(sql)}</pre>' if isinstance(sql, str) else f'<p class="none">{missing}</p>'
+
+
+def render_message(message, turn=None) -> str:
+    """One message: a tool call by name with its arguments (a query highlighted) and any text written
+    around it, an observation as text (errors marked), anything else (system prompt, question, prose)
+    as text."""
+    role, content = str(message.get("role", "?")), str(message.get("content", ""))
+    label = esc(role) + (f" &middot; turn {turn}" if turn else "")
+    if role == "assistant":
+        try:
+            name, args = agentrl.parse_tool_call(content)
+        except agentrl.ToolCallError as e:
+            body = f'<p class="note">no usable tool call: {esc(e)}</p><pre class="text">{esc(content)}</pre>'
+        else:
+            shown = [sql_block(v) if k == "query" and isinstance(v, str) else
+                     f'<pre class="text">{esc(k)}: {esc(json.dumps(v) if not isinstance(v, str) else v)}</pre>'
+                     for k, v in args.items()]
+            around = agentrl.TOOL_CALL_RE.sub("", content, count=1).strip()
+            shown += [f'<pre class="text">{esc(around)}</pre>'] if around else []
+            body = f'<div class="call"><span class="tool">{esc(name)}</span>{"".join(shown)}</div>'
+    else:
+        error = role == "tool" and content.startswith("Error:")
+        body = f'<pre class="text{" error" if error else ""}">{esc(content)}</pre>'
+    return f'<div class="msg {esc(role)}"><div class="role">{label}</div>{body}</div>'
+
+
+def render_table(header, rows) -> str:
+    head = "".join(f"<th>{h}</th>" for h in header)
+    body = "".join("<tr>" + "".join(f"<td>{cell}</td>" for cell in row) + "</tr>" for row in rows)
+    return f"<table><thead><tr>{head}</tr></thead><tbody>{body}</tbody></table>"
+
+
+# ----------------------------------------------------------------------------- the sections
+def render_config(config) -> str:
+    if not config:
+        return "<p class=\"none\">no config.json in the folder</p>"
+    key_settings = ", ".join(f"{k}={esc(config[k])}" for k in ("model", "data", "steps", "groups_per_step",
+                                                               "group_size", "judge", "bonus", "lr") if k in config)
+    rows = [(esc(k), f"<code>{esc(json.dumps(v))}</code>") for k, v in config.items()]
+    return (f"<details><summary>{len(config)} settings: {key_settings}</summary>"
+            f"{render_table(['setting', 'value'], rows)}</details>")
+
+
+def render_evals(metrics) -> str:
+    evals = [r for r in metrics if "eval_accuracy" in r]
+    if not evals:
+        return "<p class=\"none\">no evaluation yet</p>"
+    results = [(r.get("phase") or f"step {r.get('step')}", split, m) for r in evals for split, m in split_results(r)]
+    seen = {tier for _, _, m in results for tier in m["by_tier"]}
+    tiers = [t for t in TIERS if t in seen] + sorted(seen - set(TIERS))
+    rows = [(esc(phase), esc(split), f"<b>{number(m['accuracy'])}</b>", number(m["tasks"]),
+             *(number(m["by_tier"].get(t), 2) for t in tiers)) for phase, split, m in results]
+    return render_table(["phase", "split", "accuracy", "tasks", *map(esc, tiers)], rows)
+
+
+def render_plot(png) -> str:
+    if png is None:
+        return "<p class=\"none\">no plot yet (progress.png is written after the first step)</p>"
+    data = base64.b64encode(png).decode("ascii")
+    return f'<img class="plot" alt="reward, train accuracy and held-out accuracy by step" src="data:image/png;base64,{data}">'
+
+
+def messages_of(record) -> list[dict]:
+    """A record's conversation as {role, content} strings, whatever a damaged file holds."""
+    messages = record.get("messages") if isinstance(record.get("messages"), list) else []
+    return [{"role": str(m.get("role", "?")), "content": str(m.get("content", ""))} if isinstance(m, dict)
+            else {"role": "?", "content": str(m)} for m in messages]
+
+
+def render_trajectory(record, messages, number_in_group, judge_number, prefix_length, anchor) -> str:
+    """One trajectory after the group's shared prefix, with its outcome and what training made of it."""
+    users = [i for i, m in enumerate(messages) if m["role"] == "user"]
+    question_at = users[-1] if users else -1        # turns are counted from the question on
+    turns, parts = 0, []
+    for i, message in enumerate(messages):
+        turn = None
+        if message["role"] == "assistant" and i > question_at:
+            turns += 1
+            turn = turns
+        if i >= prefix_length:
+            parts.append(render_message(message, turn))
+    correct, advantage = bool(record.get("correct")), record.get("advantage")
+    known = isinstance(advantage, (int, float))
+    sign = "pos" if known and advantage > 0 else "neg" if known and advantage < 0 else ""
+    head = [f'<span class="badge">{"correct" if correct else "wrong"}</span> <b>trajectory {number_in_group}</b>'
+            + (f" (the judge's {judge_number}: it sees identical trajectories once)" if judge_number != number_in_group else ""),
+            f"reward {number(record.get('reward'))}", f'advantage <span class="{sign}">{number(advantage)}</span>',
+            f"stop: {esc(record.get('stop_reason', '?'))}"]
+    score, explanation = record.get("judge_score"), record.get("judge_explanation") or ""
+    judged = (f'judge {number(score, 2)}: {esc(explanation) or "(no explanation)"}' if score is not None
+              else "not judged (no judge, or the judge could not score this group)")
+    submitted = sql_block(record.get("submitted_sql"), "no query submitted")
+    return (f'<div class="trajectory {"right" if correct else "wrong"}" id="{anchor}">'
+            f'<div class="head">{" &middot; ".join(head)}</div><p class="judge">{judged}</p>{"".join(parts)}'
+            f'<div class="submitted"><span class="label">submitted</span>{submitted}</div></div>')
+
+
+def render_group(records, step, g) -> str:
+    """A group: its task once, the messages all its trajectories share once, then each trajectory."""
+    first, conversations = records[0], [messages_of(r) for r in records]
+    prefix = judge.shared_prefix_length(conversations)
+    judge_index = judge.deduplicate(conversations)[1]
+    right = sum(bool(r.get("correct")) for r in records)
+    shared = "".join(render_message(m) for m in conversations[0][:prefix])
+    trajectories = "".join(render_trajectory(r, c, k, judge_index[k - 1] + 1, prefix, f"s{step:04d}-g{g}-t{k}")
+                           for k, (r, c) in enumerate(zip(records, conversations), 1))
+    return (f'<section class="group" id="s{step:04d}-g{g}"><h3>group {g} &middot; {esc(first.get("difficulty", "?"))} '
+            f"&middot; {right}/{len(records)} correct &middot; {esc(first.get('task_id', '?'))}</h3>"
+            f'<p class="question">{esc(first.get("question", ""))}</p>'
+            f'<div class="gold"><span class="label">gold SQL</span>{sql_block(first.get("gold_sql"))}</div>'
+            f"<details class=\"prefix\"><summary>shared by all {len(records)} trajectories: {prefix} messages, "
+            f"printed once in the judge's prompt</summary>{shared}</details>{trajectories}</section>")
+
+
+def render_steps(metrics, trajectories) -> str:
+    step_records = {r["step"]: r for r in metrics if "reward_mean" in r and isinstance(r.get("step"), int)}
+    steps = sorted(set(step_records) | set(trajectories))
+    if not steps:
+        return "<p class=\"none\">no GRPO step yet</p>"
+    parts = []
+    for step in steps:
+        r = step_records.get(step, {})
+        summary = (f"step {step} &middot; reward {number(r.get('reward_mean'))} &middot; train accuracy "
+                   f"{number(r.get('train_accuracy'))} &middot; {number(r.get('trainable_groups'))} of "
+                   f"{number(r.get('submitted_groups'))} groups trained on"
+                   + (" &middot; update skipped" if r.get("skipped") else ""))
+        groups = "".join(render_group(records, step, g) for g, records in enumerate(groups_of(trajectories.get(step, [])), 1))
+        groups = groups or '<p class="none">no trajectories saved</p>'
+        parts.append(f'<details class="step" id="step-{step:04d}"{" open" if step == steps[-1] else ""}>'
+                     f"<summary>{summary}</summary>{groups}</details>")
+    return "".join(parts)
+
+
+STYLE = """
+body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1100px; padding: 1em 2em; color: #222; }
+h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
+h3 { font-size: 1em; margin: 0 0 0.3em; }
+.meta, .none, .note { color: #666; }
+table { border-collapse: collapse; margin: 0.5em 0; } th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
+th { background: #f3f3f3; } code { font-size: 0.9em; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: 0.2em 0; font: 13px/1.35 ui-monospace, monospace; }
+img.plot { max-width: 100%; border: 1px solid #ddd; }
+details.step { border: 1px solid #ccc; border-radius: 4px; margin: 0.5em 0; padding: 0.3em 0.8em; }
+details.step > summary { font-weight: 600; cursor: pointer; }
+section.group { border-top: 2px solid #bbb; margin-top: 0.8em; padding-top: 0.5em; }
+.question { font-size: 1.05em; font-style: italic; margin: 0.2em 0; }
+details.prefix { margin: 0.4em 0; } details.prefix > summary { color: #555; cursor: pointer; }
+.trajectory { border-left: 5px solid #c33; background: #fdf6f6; margin: 0.6em 0; padding: 0.3em 0.8em; }
+.trajectory.right { border-left-color: #2a2; background: #f5fbf5; }
+.badge { color: #fff; background: #c33; border-radius: 3px; padding: 0 6px; font-size: 0.85em; }
+.right .badge { background: #2a2; }
+.judge { color: #444; margin: 0.2em 0; }
+.msg { margin: 0.3em 0 0.3em 0.5em; } .role { font-size: 0.8em; color: #777; text-transform: uppercase; }
+.msg.tool pre, .msg.system pre { background: #f4f4f4; padding: 2px 6px; }
+pre.error { background: #fde8e8 !important; }
+.call .tool { font-weight: 600; color: #245; }
+pre.sql { background: #f1f4fa; padding: 2px 6px; }
+.label { font-size: 0.8em; color: #777; text-transform: uppercase; margin-right: 0.5em; }
+.kw { color: #0b4fa8; font-weight: 600; } .string { color: #a3411a; } .number { color: #7a3a9a; }
+.pos { color: #2a2; font-weight: 600; } .neg { color: #c33; font-weight: 600; }
+"""
+
+
+def render(run) -> str:
+    """The whole page for a run read by read_run."""
+    config, metrics = run["config"], run["metrics"]
+    n = sum(len(records) for records in run["trajectories"].values())
+    done = max((r["step"] for r in metrics if "reward_mean" in r and isinstance(r.get("step"), int)), default=0)
+    bonus = config.get("bonus", "bonus")
+    std = "" if config.get("no_std_scaling") else " / std"
+    unreadable = (f" &middot; {run['unreadable']} unreadable lines skipped" if run["unreadable"] else "")
+    return f"""<!DOCTYPE html>
+<html lang="en">
+<head><meta charset="utf-8"><title>agentrl run {esc(run['name'])}</title><style>{STYLE}</style></head>
+<body>
+<h1>agentrl run {esc(run['name'])}</h1>
+<p class="meta">step {done} of {esc(config.get('steps', '?'))} &middot; {n} trajectories &middot; written
+{time.strftime('%Y-%m-%d %H:%M:%S')}{unreadable}</p>
+<h2>Config</h2>
+{render_config(config)}
+<h2>Held-out accuracy</h2>
+<p class="meta">Greedy, one episode per question; by phase (base model, after the warm start, after a step) and tier.</p>
+{render_evals(metrics)}
+<h2>Learning curves</h2>
+{render_plot(run['plot'])}
+<h2>Steps</h2>
+<p class="meta">Each step's groups: one task, several trajectories. reward = judge score + {esc(bonus)} &times; correct;
+advantage = (reward &minus; group mean){std}, the weight the update gave the trajectory's tokens
+(&ndash;: not trained on: its group's rewards were all equal, or the row was cut on non-finite logits).
+Trajectories are numbered in group order, as the judge's prompt numbers them.</p>
+{render_steps(metrics, run['trajectories'])}
+</body>
+</html>
+"""
+
+
+def write_report(run_dir) -> Path:
+    """Read the run folder and (re)write its report.html atomically; returns the page's path."""
+    path = Path(run_dir) / "report.html"
+    write_text_atomic(path, render(read_run(run_dir)))
+    return path
+
