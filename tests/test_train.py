@@ -17,16 +17,17 @@ from conftest import build_tiny_model
 
 
 class ScriptedJudge:
-    """Scores trajectory k of a group as k / n: always a spread, so every group is trainable."""
+    """Scores trajectory k of a group as k / n (times `scale`, for a judge on 0-10): always a
+    spread, so every group is trainable."""
     cache_id = "scripted"
 
-    def __init__(self):
-        self.calls = 0
+    def __init__(self, scale=1):
+        self.calls, self.scale = 0, scale
 
     def complete(self, messages):
         self.calls += 1
         ids = [int(i) for i in re.search(r"Trajectory ids: ([\d, ]+)", messages[1]["content"]).group(1).split(",")]
-        scores = [{"trajectory_id": i, "explanation": "scripted", "score": i / len(ids)} for i in ids]
+        scores = [{"trajectory_id": i, "explanation": "scripted", "score": self.scale * i / len(ids)} for i in ids]
         return "Here you go:\n```json\n" + json.dumps({"scores": scores}) + "\n```"
 
 
@@ -164,6 +165,34 @@ def test_unreachable_judge_endpoint(tiny_model_dir, tmp_path):
         train.make_judge(args, None, None, torch.device("cpu"))
     args = train.parse_args(base + ["--judge-fallback", "none"])
     assert train.make_judge(args, None, None, torch.device("cpu")) is None
+
+
+def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """A judge answering on 0-10 keeps its ranking (every group still trainable) and shows at
+    once: each group corrected once, then rescaled, in the step's line and in metrics.jsonl."""
+    judge = ScriptedJudge(scale=10)
+    monkeypatch.setattr(train, "make_judge", lambda args, model, tokenizer, device: judge)
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1"))
+    (record,) = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line]
+    assert record["judge_rescaled_groups"] == 2 and record["judge_corrections"] == 2 and judge.calls == 4
+    assert record["judge_failed_groups"] == 0 and record["trainable_groups"] == 2
+    assert "judge_failed_groups=0 | judge_rescaled_groups=2 | judge_corrections=2" in capsys.readouterr().out
+    lines = [json.loads(line) for line in open(out / "trajectories" / "step_0001.jsonl")]
+    assert all(line["judge_rescaled"] == "0-10" for line in lines)
+    assert sorted(line["judge_score"] for line in lines[:3]) == pytest.approx([1 / 3, 2 / 3, 1])
+
+
+def test_bonus_is_added_to_scores_already_in_0_1():
+    """The correctness bonus keeps its weight after a rescale: a 0-10 judge's 10/3, 20/3, 10 are
+    read as 1/3, 2/3, 1 before the bonus, so the one correct trajectory, ranked last by the
+    judge, still gets the highest reward (clamping made it 2, 1, 1; unscaled, 4.3, 6.7, 10)."""
+    group = SimpleNamespace(trajectories=[SimpleNamespace(messages=[{"role": "user", "content": "q"},
+                                                                    {"role": "assistant", "content": f"a{k}"}],
+                                                          correct=k == 0) for k in range(3)])
+    rewards, results, failed = train.score_groups([group], ScriptedJudge(scale=10), "rubric", 1.0, cache_dir=None)
+    assert rewards == [pytest.approx([1 / 3 + 1, 2 / 3, 1])] and results[0].rescaled == "0-10" and failed == 0
+    assert train.judge_counters(results) == {"judge_rescaled_groups": 1, "judge_corrections": 1}
 
 
 def test_task_sampling_prefers_mixed_tiers():
