@@ -13,7 +13,6 @@ import torch
 from safetensors.torch import load_file
 
 import train
-from conftest import build_tiny_model
 
 
 class ScriptedJudge:
@@ -29,14 +28,6 @@ class ScriptedJudge:
         ids = [int(i) for i in re.search(r"Trajectory ids: ([\d, ]+)", messages[1]["content"]).group(1).split(",")]
         scores = [{"trajectory_id": i, "explanation": "scripted", "score": self.scale * i / len(ids)} for i in ids]
         return "Here you go:\n```json\n" + json.dumps({"scores": scores}) + "\n```"
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, smol_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_model("llama", seed=0).save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def tiny_args(model_dir, out, *extra):
