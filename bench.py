@@ -10,6 +10,7 @@
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
+    python bench.py scale     # train.py steps per minute on 1 process and on 2 (torchrun), rollout vs update
 
 Each benchmark measures the baseline and ours in the same run and prints them side by side,
 with the ratio: the machines are shared and noisy, so only ratios are worth quoting.
@@ -648,6 +649,61 @@ def bench_learn(args):
     print(f"curves: {os.path.join(out, 'learn.png')} | whole benchmark {(time.perf_counter() - t0) / 60:.0f} min")
 
 
+# ---------------------------------------------------------------- scale (train.py under torchrun, parallel.py)
+SCALE_WORKER = "AGENTRL_BENCH_SCALE_WORKER"   # set in the processes bench.py scale starts: train.py's flags (JSON)
+
+
+def scripted_rewards(groups, *args, **kwargs):
+    """bench.py scale's rewards: trajectory k of a group of n gets k / n, so every group trains (an
+    untrained model answers nothing right); the figure is time, not learning."""
+    import judge
+    rewards = [[k / len(g.trajectories) for k in range(len(g.trajectories))] for g in groups]
+    unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, clamped=0, error="scripted")
+    return rewards, [unscored] * len(groups), 0
+
+
+def bench_scale(args):
+    """Steps per minute of train.py in one process and in two (torchrun; gloo on a CPU), the same
+    steps of the same size one run after the other, and where a step's time goes: rollouts (the
+    slowest process's; the others wait for it) and the rest (the update with its gradient
+    all-reduce, gathering the step, the metrics record). Times are train.py's own: time_step runs
+    from sampling the tasks to the metrics record, so checkpoint and plot writes are left out."""
+    if os.environ.get(SCALE_WORKER):          # one process of the measured run
+        import train
+        train.score_groups = scripted_rewards
+        train.main(json.loads(os.environ[SCALE_WORKER]))
+        return
+    out = os.path.join("runs", "bench_scale")
+    flags = ["--steps", "3", "--sft-steps", "0", "--groups-per-step", "2", "--group-size", "4", "--max-turns", "2",
+             "--max-new-tokens", "48", "--eval-size", "1", "--eval-split", "test", "--seed", str(args.seed),
+             *args.train_flags]
+    rows = []
+    for processes in (1, 2):
+        run_dir = os.path.join(out, f"processes_{processes}")
+        launcher = [sys.executable] if processes == 1 else [
+            sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
+        env = {**os.environ, SCALE_WORKER: json.dumps(flags + ["--out", run_dir])}
+        t0 = time.perf_counter()
+        subprocess.run(launcher + [os.path.abspath(__file__), "scale"], env=env, check=True, stdout=subprocess.DEVNULL)
+        whole = time.perf_counter() - t0
+        steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in line]
+        step_s = sum(r["time_step"] for r in steps) / len(steps)
+        rollout_s = sum(r["time_rollout"] for r in steps) / len(steps)
+        rows.append({"processes": processes, "steps_per_min": 60 / step_s, "step_s": step_s, "rollout_s": rollout_s,
+                     "rest_s": step_s - rollout_s, "whole_s": whole, "applied": sum(not r["skipped"] for r in steps)})
+    threads = os.environ.get("OMP_NUM_THREADS")
+    print(f"\nscale: train.py, {len(steps)} steps of 2 groups x 4 trajectories (embedded model, scripted rewards), "
+          f"{os.cpu_count()} CPU cores; threads per process: "
+          + (threads if threads else "1 process: torch's default, 2 processes: 1 each (torchrun's default)"))
+    print(f"{'processes':>9} {'steps/min':>10} {'step s':>7} {'rollout s':>10} {'rest s':>7} {'updates':>8} {'run s':>6}")
+    for r in rows:
+        print(f"{r['processes']:>9} {r['steps_per_min']:>10.2f} {r['step_s']:>7.1f} {r['rollout_s']:>10.1f} "
+              f"{r['rest_s']:>7.1f} {r['applied']:>8} {r['whole_s']:>6.0f}")
+    one, two = rows
+    print(f"2 processes / 1: {two['steps_per_min'] / one['steps_per_min']:.2f}x steps per minute | rollout "
+          f"{one['rollout_s'] / two['rollout_s']:.2f}x faster, the rest {one['rest_s'] / two['rest_s']:.2f}x faster")
+
+
 def bench_gpu(args):
     """The GPU check (fit3b.bench_gpu): the Qwen2.5-3B shape under a T4's memory, then real steps."""
     import fit3b
@@ -656,7 +712,7 @@ def bench_gpu(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "gpu", "learn"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "gpu", "learn", "scale"])
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
@@ -670,11 +726,11 @@ def main():
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
-    if train_flags and args.which != "learn":
+    if train_flags and args.which not in ("learn", "scale"):
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
-    args.train_flags = train_flags  # learn: any other flag goes to train.py, for both arms (e.g. --temperature 1.0)
+    args.train_flags = train_flags  # learn, scale: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
     benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "judge-server": bench_judge_server,
-               "memory": bench_memory, "update": bench_update, "gpu": bench_gpu, "learn": bench_learn}
+               "memory": bench_memory, "update": bench_update, "gpu": bench_gpu, "learn": bench_learn, "scale": bench_scale}
     benches[args.which](args)
 
 

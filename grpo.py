@@ -292,6 +292,27 @@ def _collate(trajectories, advantages, device):
     }
 
 
+def sum_gradients(params, all_reduce, counts):
+    """Data parallel: replace each parameter's gradient by its sum over the processes, and sum
+    `counts` (numbers) with them; returns the summed counts.
+
+    One all-reduce of one flat tensor: LoRA gradients are small, so one message beats one per
+    tensor, and the counts riding along let every process take the same decision after it. A
+    parameter without a gradient (a process that forwarded nothing) contributes zeros. This is
+    what DistributedDataParallel would do in its backward hooks; written out here because a step
+    runs a different number of micro-batches on each process (DDP synchronizes every backward, and
+    all processes must make the same number) and the loss goes through model.base_model and the LM
+    head, around a DDP wrapper's forward. A sum of floats is the same on every process, so the
+    processes step with identical gradients and keep identical weights.
+    """
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(counts, dtype=grads[0].dtype, device=grads[0].device)])
+    all_reduce(flat)                                              # (P + len(counts),), summed in place
+    for p, g in zip(params, flat[:-len(counts)].split([g.numel() for g in grads])):
+        p.grad = g.view_as(p)
+    return flat[-len(counts):].tolist()
+
+
 def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     """Clip the gradient norm and step, unless it is not finite; returns the norm (before clipping).
 
@@ -309,21 +330,35 @@ def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     return grad_norm
 
 
-def grpo_step(model, optimizer, trajectories, advantages, config, scaler, reference_context=None):
+def normalizer_counts(trajectories, config):
+    """The counts the loss normalizer divides by (policy_loss): sequences and trained tokens of
+    the whole step, forwarded or not, and Dr. GRPO's constant (the step's longest if not set)."""
+    masks = [sum(t.assistant_mask) for t in trajectories]
+    return {"num_sequences": len(trajectories), "num_tokens": sum(masks),
+            "max_tokens": config.max_tokens or max(masks, default=0)}
+
+
+def grpo_step(model, optimizer, trajectories, advantages, config, scaler, reference_context=None,
+              counts=None, all_reduce=None):
     """One optimizer step on `trajectories` (objects with token_ids, assistant_mask,
     sampled_logprobs) with one advantage each. `optimizer` holds the trainable (LoRA) parameters.
     reference_context: a context manager under which `model` is the KL reference (e.g.
     lora.lora_disabled(model)); needed only when config.kl_coef > 0. scaler: a torch.amp.GradScaler,
     enabled for the fp16 path, disabled (a pass-through) otherwise. Returns a dict of floats for logging.
+
+    Data parallel (train.py under torchrun; parallel.py): each process passes its own share of the
+    step, `counts` = normalizer_counts of the whole step over all processes, and `all_reduce`, a
+    function summing a tensor in place across them. Losses normalized by the whole step's counts
+    add up over processes to the one-process loss, so the summed gradients are its gradient
+    (sum_gradients). Every process takes part, even one with nothing to forward, and all take the
+    same decision: step, or skip if any had a non-finite loss.
     """
     assert len(trajectories) == len(advantages), "one advantage per trajectory"
     assert all(math.isfinite(a) for a in advantages), "non-finite advantage"
     assert config.kl_coef == 0 or reference_context is not None, "kl_coef > 0 needs a reference_context"
     device = next(model.parameters()).device
     masks = [sum(t.assistant_mask) for t in trajectories]  # trained tokens per trajectory
-    # Normalizer counts over the WHOLE step, forwarded or not (see policy_loss).
-    norm = {"num_sequences": len(trajectories), "num_tokens": sum(masks),
-            "max_tokens": config.max_tokens or max(masks)}
+    norm = counts or normalizer_counts(trajectories, config)  # over the WHOLE step (see policy_loss)
     stats = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0, "kl_old": 0.0,
              "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
              "sequences": len(trajectories), "tokens": sum(masks), "forwarded_sequences": 0,
@@ -334,7 +369,7 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
     # With a KL term its tokens are still pulled toward the reference, so then it must be forwarded.
     # A trajectory without trained tokens (cut off before sampling anything) has nothing to forward.
     keep = [i for i, a in enumerate(advantages) if masks[i] > 0 and (a != 0 or config.kl_coef > 0)]
-    if not keep:
+    if not keep and all_reduce is None:
         stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
         return stats
     keep.sort(key=lambda i: len(trajectories[i].token_ids))  # similar lengths share a micro-batch: less padding
@@ -363,15 +398,24 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
                                   aggregation=config.aggregation, kl_coef=config.kl_coef, ref_logprobs=ref, **norm)
             if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
                 stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
-                return stats
+                if all_reduce is None:
+                    return stats
+                break                     # the other processes wait for this one's gradients
             scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
             stats["loss"] += loss.item()
             stats["forwarded_sequences"] += len(b["advantages"])
             forwarded_tokens += s["tokens"]
             for k in averaged:  # token-weighted means over the micro-batches
                 sums[k] += s[k] * s["tokens"]
-        stats.update({k: v / forwarded_tokens for k, v in sums.items()})
+        stats.update({k: v / max(1, forwarded_tokens) for k, v in sums.items()}, forwarded_tokens=forwarded_tokens)
 
+        if all_reduce is not None:
+            params = [p for group in optimizer.param_groups for p in group["params"]]
+            failed, forwarded = sum_gradients(params, all_reduce, [stats["skipped"], stats["forwarded_sequences"]])
+            if failed or not forwarded:
+                stats.update(skipped=True, skip_reason=stats["skip_reason"] or (
+                    "a non-finite loss in another process" if failed else "no trained token with a nonzero advantage"))
+                return stats
         stats["grad_norm"] = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(stats["grad_norm"]):
             stats.update(skipped=True, skip_reason=f"non-finite gradient norm ({stats['grad_norm']})")

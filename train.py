@@ -5,6 +5,7 @@
     python train.py --resume --out runs/default      # continue a killed run from its last checkpoint
     python train.py --eval-only --adapter runs/default/final   # evaluate a trained adapter
     python train.py --report runs/default            # rebuild the run's report.html from its folder
+    torchrun --nproc_per_node=4 train.py --groups-per-step 16  # data parallel over 4 GPUs (parallel.py)
 
 Before the loop, on a fresh run: evaluate the base model (on the embedded data, on two held-out
 splits: test, new questions on the schemas trained on, and test_schema, the same questions on a
@@ -37,6 +38,7 @@ Deliberate simplifications, and why they are safe:
   the per-tier success rates and the per-task pass rates, which the checkpoint stores.
 """
 import argparse
+import contextlib
 import errno
 import json
 import math
@@ -49,12 +51,14 @@ import sys
 import time
 
 import torch
+from torch.distributed.elastic.multiprocessing.errors import record as torchrun_reports_errors
 from tqdm import tqdm
 
 import agentrl
 import grpo
 import judge as judge_lib
 import lora
+import parallel
 import report
 import sql_env
 from files import atomic_folder, atomic_path, write_text_atomic
@@ -154,6 +158,10 @@ def parse_args(argv=None):
     g.add_argument("--resume", action="store_true", help="continue the run in --out from its last checkpoint")
     g.add_argument("--seed", type=int, default=0, help="seeds tasks, sampling and LoRA init")
     g.add_argument("--report", metavar="RUN", default=None, help="rebuild RUN/report.html from the run folder and exit")
+    # data parallel: only under torchrun (parallel.py)
+    g = p.add_argument_group("data parallel (under torchrun)")
+    g.add_argument("--dist-timeout", type=float, default=1800,
+                   help="seconds a process waits for the others at a collective before it stops the job")
     args = p.parse_args(argv)
 
     if args.sft_steps < 0 or args.sft_batch_size < 1:
@@ -180,6 +188,8 @@ def parse_args(argv=None):
         p.error(f"--adapter {args.adapter!r}: no adapter_config.json there")
     if args.rubric and not os.path.isfile(args.rubric):
         p.error(f"--rubric {args.rubric!r}: no such file")
+    if args.dist_timeout <= 0:
+        p.error(f"--dist-timeout must be > 0, got {args.dist_timeout}")
     if args.eval_split is None:
         args.eval_split = "test,test_schema" if args.data == "default" else "dev"
     args.eval_splits = [split.strip() for split in args.eval_split.split(",") if split.strip()]
@@ -190,13 +200,17 @@ def parse_args(argv=None):
 
 # ----------------------------------------------------------------------------- files
 def append_jsonl(path, record):
+    if not parallel.is_main():   # every writer of the run folder: rank 0 only
+        return
     with open(path, "a") as f:
         f.write(json.dumps(record) + "\n")
 
 
 def save_checkpoint(run_dir, model, optimizer, scaler, step, task_stats, keep=2):
     """adapter (PEFT layout) + optimizer + scaler + RNG + step into checkpoints/step_XXXX, written
-    as one folder that appears whole (files.atomic_folder), then point `latest` at it."""
+    as one folder that appears whole (files.atomic_folder), then point `latest` at it. Rank 0 only."""
+    if not parallel.is_main():
+        return
     final = os.path.join(run_dir, "checkpoints", f"step_{step:04d}")
     with atomic_folder(final) as tmp:
         lora.save_adapter(model, tmp)
@@ -302,7 +316,7 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
     device_type = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(device_type, enabled=use_grad_scaler)  # its own, like its optimizer
     rng = random.Random(args.seed + 1)
-    for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True):
+    for step in tqdm(range(1, args.sft_steps + 1), desc="sft", dynamic_ncols=True, disable=not parallel.is_main()):
         t0 = time.time()
         batch = [agentrl.demonstration(tokenizer, task, args.demos, limits)
                  for task in rng.sample(demo_tasks, min(args.sft_batch_size, len(demo_tasks)))]
@@ -315,7 +329,8 @@ def warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path
         if step % 4 == 0 or step == args.sft_steps:
             tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
                                                          for k, v in stats.items()))
-    lora.save_adapter(model, os.path.join(args.out, "sft"))
+    if parallel.is_main():
+        lora.save_adapter(model, os.path.join(args.out, "sft"))
 
 
 # ----------------------------------------------------------------------------- evaluation
@@ -336,10 +351,11 @@ def evaluate(model, tokenizer, tasks, limits, batch_groups=32):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters."""
     greedy = agentrl.Sampling(greedy=True)
-    trajectories = []
-    for i in range(0, len(tasks), batch_groups):
-        groups = agentrl.rollout_groups(model, tokenizer, tasks[i:i + batch_groups], 1, greedy, limits)
+    trajectories, mine = [], parallel.shard(tasks)   # this process's share of the tasks (all of them in one)
+    for i in range(0, len(mine), batch_groups):
+        groups = agentrl.rollout_groups(model, tokenizer, mine[i:i + batch_groups], 1, greedy, limits)
         trajectories += [g.trajectories[0] for g in groups]
+    trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
     by_tier = {}
     for task, t in zip(tasks, trajectories):
         by_tier.setdefault(task.difficulty, []).append(t.correct)
@@ -416,6 +432,8 @@ def make_judge(args, model, tokenizer, device):
 
 # ----------------------------------------------------------------------------- plot
 def plot_run(run_dir):
+    if not parallel.is_main():
+        return
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -443,15 +461,31 @@ def plot_run(run_dir):
 
 # ----------------------------------------------------------------------------- the loop
 def run(args):
+    """Train (or --eval-only evaluate). Under torchrun, first join the other processes (parallel.py);
+    then every process runs the loop below on its share of each step, and only rank 0 prints."""
+    device = parallel.start(args.dist_timeout)   # None in one process: the default device
+    if parallel.world_size() > args.groups_per_step and not args.eval_only:
+        raise SystemExit(f"--groups-per-step {args.groups_per_step}: each of the {parallel.world_size()} processes "
+                         f"needs a group per step; raise it")
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if parallel.is_main() else devnull):
+        result = run_process(args, device)
+    parallel.stop()
+    return result
+
+
+def run_process(args, device):
     # 0) setup: seed, device, run folder, the whole config logged once
     torch.manual_seed(args.seed)
     random.seed(args.seed)
-    os.makedirs(os.path.join(args.out, "trajectories"), exist_ok=True)
+    if parallel.is_main():
+        os.makedirs(os.path.join(args.out, "trajectories"), exist_ok=True)
     metrics_path = os.path.join(args.out, "metrics.jsonl")
     print("config: " + " | ".join(f"{k}={v}" for k, v in vars(args).items()))
+    if parallel.world_size() > 1:
+        print(f"data parallel: {parallel.world_size()} processes, each with its share of every step's groups")
 
     # 1) model + LoRA; only the adapter's parameters train
-    model, tokenizer = lora.load_model(args.model)
+    model, tokenizer = lora.load_model(args.model, device=device)
     device = next(model.parameters()).device
     # fp32 on CPU, bf16 on Ampere+, fp16 weights + fp32 LoRA + autocast + loss scaling on a T4
     precision = lora.precision_for(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
@@ -487,54 +521,74 @@ def run(args):
                              max_tokens=args.max_turns * args.max_new_tokens,  # Dr. GRPO's constant: the generation budget
                              epochs=args.epochs, minibatches=args.minibatches)
 
-    # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0)
-    if args.resume:
+    # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0); under
+    #    torchrun every process then takes rank 0's adapter, optimizer and sampler state
+    start_step, task_stats = 0, {"tiers": {}, "tasks": {}}
+    if args.resume and parallel.is_main():
         start_step, task_stats, folder = load_checkpoint(args.out, model, optimizer, scaler)
         truncate_metrics(metrics_path, start_step)
         print(f"resumed from {folder} at step {start_step}")
-    else:
-        start_step, task_stats = 0, {"tiers": {}, "tasks": {}}
+    elif not args.resume:
         start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, precision)
         save_checkpoint(args.out, model, optimizer, scaler, 0, task_stats)
+    start_step, task_stats = parallel.share_state(model, optimizer, scaler, (start_step, task_stats))
+    world, rank = parallel.world_size(), parallel.rank()
+    if world > 1 and (args.update != "grpo" or args.epochs * args.minibatches > 1):
+        raise SystemExit("under torchrun, --update grpo with --epochs 1 --minibatches 1 only (so far)")
+    judge_cache = os.path.join(args.out, "judge_cache") if parallel.is_main() else None   # rank 0 writes
 
-    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train",
+               dynamic_ncols=True, disable=not parallel.is_main())
     for step in bar:
         t0 = time.time()
         step_seed = args.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
-        # 1) sample tasks, 2) rollouts
-        tasks = sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(step_seed), args.frontier_share)
-        sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=step_seed)
+        # 1) sample tasks (under torchrun: the same draw everywhere, each process rolls out its share),
+        # 2) rollouts, seeded per step and process (in one process, by the step's seed itself)
+        tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(step_seed),
+                                            args.frontier_share))
+        sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=step_seed * world + rank)
         groups = agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
         t_rollout = time.time() - t0
 
         # 3) reward = judge score + bonus * correct (score_groups)
-        rewards, results, judge_failed = score_groups(groups, judge_backend, rubric, args.bonus,
-                                                      os.path.join(args.out, "judge_cache"), args.partial_credit)
+        rewards, results, judge_failed = score_groups(groups, judge_backend, rubric, args.bonus, judge_cache,
+                                                      args.partial_credit)
         t_judge = time.time() - t0 - t_rollout
 
         # 4) advantages within each group, flattened into the update's batch
         batch, advantages, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=not args.no_std_scaling)
 
-        # 5) update (skipped when no group carries signal)
+        # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
+        #    whole step's tokens and the gradients are summed over the processes (parallel.py)
         if args.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
             correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
             stats = (grpo.sft_step(model, optimizer, correct, config, scaler) if correct
                      else {"skipped": True, "skip_reason": "no correct rollout"})
+        elif world > 1:
+            step_counts = parallel.sum_counts(grpo.normalizer_counts(batch, config))
+            if step_counts["num_sequences"]:     # every process steps, with a share or with nothing
+                reference = lora.lora_disabled(model) if args.kl_coef > 0 else None
+                stats = grpo.grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=reference,
+                                       counts=step_counts, all_reduce=parallel.all_reduce)
+            else:
+                stats = {"skipped": True, "skip_reason": "no trainable group"}
         elif batch:
             reference = lora.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
             stats = grpo.grpo_update(model, optimizer, batch, advantages, config, scaler, reference_context=reference,
                                      seed=step_seed)
         else:
             stats = {"skipped": True, "skip_reason": "no trainable group"}
+        trained = {id(t): a for t, a in zip(batch, advantages)} if args.update == "grpo" else {}  # (rft uses none)
+        times = {"time_rollout": t_rollout, "time_judge": t_judge}
+        groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(
+            groups, rewards, results, counts, stats, judge_failed, times)   # every process's, as one process's
         frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
         update_task_stats(task_stats, groups)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
         record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed, **judge_counters(results),
-                             frontier_tasks=frontier_before,
-                             time_rollout=t_rollout, time_judge=t_judge, time_step=time.time() - t0)
+                             frontier_tasks=frontier_before, **times, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
-        trained = {id(t): a for t, a in zip(batch, advantages)} if args.update == "grpo" else {}  # (rft uses none)
         write_trajectories(args.out, step, groups, rewards, results, trained)
         if stats.get("skipped"):
             tqdm.write(f"step {step}: update skipped ({stats.get('skip_reason', 'unknown')})")
@@ -549,13 +603,16 @@ def run(args):
         if step % args.checkpoint_every == 0 or step == args.steps:
             save_checkpoint(args.out, model, optimizer, scaler, step, task_stats)
         plot_run(args.out)
-        report.write_report(args.out)
+        if parallel.is_main():      # the run folder's page, written by rank 0 like every file
+            report.write_report(args.out)
     bar.close()
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < args.steps:
         record = evaluate_splits(model, tokenizer, eval_sets, limits)
         append_jsonl(metrics_path, {"step": args.steps, **record})
+    if not parallel.is_main():   # rank 0 saves the adapter and reports
+        return None
     final_dir = os.path.join(args.out, "final")
     lora.save_adapter(model, final_dir)
     plot_run(args.out)
@@ -567,11 +624,12 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
     """A fresh run: clear an earlier run's checkpoints in --out, write the config, evaluate the
     base model, then (--sft-steps) warm start and evaluate again."""
     metrics_path = os.path.join(args.out, "metrics.jsonl")
-    if os.path.isdir(os.path.join(args.out, "checkpoints")):
-        print(f"{args.out} holds an earlier run: starting over there (use --resume to continue it instead)")
-        shutil.rmtree(os.path.join(args.out, "checkpoints"))
-    write_text_atomic(metrics_path, "")
-    write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
+    if parallel.is_main():
+        if os.path.isdir(os.path.join(args.out, "checkpoints")):
+            print(f"{args.out} holds an earlier run: starting over there (use --resume to continue it instead)")
+            shutil.rmtree(os.path.join(args.out, "checkpoints"))
+        write_text_atomic(metrics_path, "")
+        write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
     if args.start_eval:
         record = evaluate_splits(model, tokenizer, eval_sets, limits)
         append_jsonl(metrics_path, {"step": 0, "phase": "start" if args.adapter else "base", **record})
@@ -640,7 +698,10 @@ def step_record(step, groups, rewards, counts, stats, **extra):
 def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
     """trajectories/step_XXXX.jsonl: every conversation of the step with its reward, judgement and
     advantage. trained: {id(trajectory): advantage} for the trajectories the update trained on;
-    the others get None (their group carried no signal, or the row was cut)."""
+    the others get None (their group carried no signal, or the row was cut; under torchrun, the
+    other processes' rows). Rank 0 only."""
+    if not parallel.is_main():
+        return
     lines, trained = [], trained or {}
     for g, (group, group_rewards, result) in enumerate(zip(groups, rewards, results)):
         task = group.task
@@ -681,6 +742,7 @@ def print_summary(args, metrics_path, final_dir):
     return evals[-1]
 
 
+@torchrun_reports_errors   # under torchrun: a process's exception is named in the job's failure summary
 def main(argv=None):
     args = parse_args(argv)
     if args.report:

@@ -3,6 +3,7 @@
 Run: python -m pytest -q tests/test_grpo.py
 """
 import math
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -416,3 +417,88 @@ def test_sft_step_fp16_overflow_skips_the_step_and_lowers_the_scale():
     hook.remove()
     assert not grpo.sft_step(model, optimizer, trajectories(4), config, scaler)["skipped"]
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
+
+
+# ---------------------------------------------------------------- data parallel (train.py under torchrun)
+def in_threads(shares, run):
+    """Run run(rank, all_reduce) for each share in its own thread, `all_reduce` summing a tensor
+    over the threads (in rank order, like a collective) as torch.distributed.all_reduce sums over
+    processes; returns the results in rank order. Models are built before: seeding is global."""
+    parts, barrier = [None] * len(shares), threading.Barrier(len(shares), timeout=60)
+
+    def all_reduce_for(rank):
+        def all_reduce(tensor):
+            parts[rank] = tensor.clone()
+            barrier.wait()
+            total = sum(parts[1:], parts[0].clone())
+            barrier.wait()
+            tensor.copy_(total)
+        return all_reduce
+
+    results = [None] * len(shares)
+
+    def target(rank):
+        results[rank] = run(rank, all_reduce_for(rank))
+
+    threads = [threading.Thread(target=target, args=(r,)) for r in range(len(shares))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert all(r is not None for r in results), "a thread failed or hung"
+    return results
+
+
+@pytest.mark.parametrize("aggregation", grpo.AGGREGATIONS)
+@pytest.mark.parametrize("split", [2, 5])   # 5: rank 1 holds only the zero-advantage trajectory, so forwards nothing
+def test_two_processes_with_the_step_counts_equal_one(aggregation, split):
+    """Two processes, each with part of the step's trajectories, the whole step's normalizer counts
+    and their gradients summed, take the one-process step: the same loss (summed), the same weights,
+    identical on both (SGD, so the weights show the gradient itself). A process with nothing to
+    forward still takes part."""
+    trajs, config = trajectories(6), grpo.GRPOConfig(micro_batch_size=2, aggregation=aggregation)
+    advantages = ADVANTAGES[:4] + [ADVANTAGES[5], ADVANTAGES[4]]       # the zero advantage last
+    model, params = tiny_model()
+    perturb_lora(params)
+    one = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), trajs, advantages, config, NO_SCALER)
+    counts = grpo.normalizer_counts(trajs, config)
+    shares = [(trajs[:split], advantages[:split]), (trajs[split:], advantages[split:])]
+    models = [tiny_model() for _ in shares]
+    for _, lora_params in models:
+        perturb_lora(lora_params)
+
+    def run(rank, all_reduce):
+        model, params = models[rank]
+        batch, adv = shares[rank]
+        stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), batch, adv, config, NO_SCALER,
+                               counts=counts, all_reduce=all_reduce)
+        return stats, [p.detach() for p in params]
+
+    (stats0, params0), (stats1, params1) = in_threads(shares, run)
+    assert not stats0["skipped"] and stats0["grad_norm"] == stats1["grad_norm"]
+    assert stats0["loss"] + stats1["loss"] == pytest.approx(one["loss"], rel=1e-5)
+    assert stats0["grad_norm"] == pytest.approx(one["grad_norm"], rel=1e-5)
+    for a, b, want in zip(params0, params1, params):
+        assert torch.equal(a, b), "the processes' weights must stay identical"
+        torch.testing.assert_close(a, want.detach(), rtol=1e-5, atol=1e-6)
+
+
+def test_a_non_finite_loss_in_one_process_skips_the_step_in_all():
+    """The processes must take the same decision: one nan loss, and nobody steps."""
+    trajs = trajectories(6)
+    trajs[3].sampled_logprobs[-1] = float("nan")
+    config = grpo.GRPOConfig(micro_batch_size=2)
+    counts = grpo.normalizer_counts(trajs, config)
+    models = [tiny_model() for _ in range(2)]
+
+    def run(rank, all_reduce):
+        model, params = models[rank]
+        before = [p.detach().clone() for p in params]
+        part = slice(0, 3) if rank == 0 else slice(3, 6)
+        stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=1e-2), trajs[part], ADVANTAGES[part], config,
+                               NO_SCALER, counts=counts, all_reduce=all_reduce)
+        return stats, all(torch.equal(b, p) for b, p in zip(before, params))
+
+    (stats0, same0), (stats1, same1) = in_threads([0, 1], run)
+    assert stats0["skipped"] and stats1["skipped"] and same0 and same1
+    assert "another process" in stats0["skip_reason"] and "non-finite loss" in stats1["skip_reason"]

@@ -1,0 +1,184 @@
+"""Data parallelism for train.py: the same loop on K processes, launched by torchrun.
+
+    torchrun --nproc_per_node=4 train.py --groups-per-step 16          # 4 GPUs of one machine
+    torchrun --nnodes=2 --nproc_per_node=8 --rdzv-backend=c10d --rdzv-endpoint=HOST:29500 train.py ...
+
+torchrun starts the processes and tells each its place (RANK, WORLD_SIZE, LOCAL_RANK and where
+to meet); `start` joins them into one torch.distributed group: NCCL between GPUs, gloo on CPUs.
+Without torchrun (or with one process) nothing here does anything, and train.py runs as always.
+
+What is synchronized, and what is not:
+- Tasks: every process draws the step's tasks with the same seed and takes its own contiguous
+  share (`shard`); it rolls them out with a seed of its own, scores them with its own judge
+  (or its requests go to the one HTTP endpoint), and computes its groups' advantages: a group
+  lives whole on one process, and its advantages need nothing from the others.
+- The update: the loss is normalized by the whole step's counts (`sum_counts`), so the losses
+  of all processes add up to the loss of one process holding every group; the LoRA gradients
+  are then summed in one all-reduce (grpo.sum_gradients), and every process takes the same
+  optimizer step from the same state, so the adapters stay identical.
+- Metrics: after the update the step's groups, rewards and figures are gathered (`gather_step`);
+  every process updates its per-tier success rates from all of them (so the next step's draw
+  agrees), and rank 0 logs them as one process would. Evaluations split the held-out tasks the
+  same way and gather the outcomes.
+- Files: only rank 0 writes (metrics, trajectories, checkpoints, plot, adapters, judge cache)
+  and prints. On --resume rank 0 reads the checkpoint and sends it to the others (`share_state`),
+  so machines need no shared disk.
+- Failures: a process whose peer died or stalled gets an error from its next collective, at once
+  or after --dist-timeout seconds, and stops with a message saying so (`CollectiveFailed`; with
+  NCCL, torch's watchdog may end the process itself on a timeout); torchrun then ends the job.
+  Nothing waits forever.
+
+Simplifications: the supervised warm start (--sft-steps) is not split: every process runs the
+same one, and share_state then hands rank 0's result to all. LoRA dropout draws from each
+process's own torch RNG, and a checkpoint stores rank 0's: after a resume with --lora-dropout > 0
+the other processes' masks differ from those of an unbroken run (the default dropout is 0, and no
+other randomness of the loop uses that RNG).
+"""
+import datetime
+import io
+import os
+
+import torch
+import torch.distributed as dist
+
+import lora
+
+
+class CollectiveFailed(SystemExit):
+    """Another process died or stalled: this one stops too, with a message that says so."""
+
+
+def start(timeout_s):
+    """Join the processes torchrun started; returns this process's device (None in one process:
+    the default device). A GPU per process, by LOCAL_RANK, with NCCL; gloo on CPUs."""
+    if int(os.environ.get("WORLD_SIZE", "1")) == 1:
+        return None
+    timeout = datetime.timedelta(seconds=timeout_s)
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+        torch.cuda.set_device(device)
+        dist.init_process_group("nccl", timeout=timeout, device_id=device)
+        return device
+    dist.init_process_group("gloo", timeout=timeout)
+    return torch.device("cpu")
+
+
+def stop():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def rank():
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def world_size():
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def is_main():
+    return rank() == 0
+
+
+def _collective(function, *args, **kwargs):
+    """Run one torch.distributed call; a failure (a peer that died, or a timeout) becomes a clear stop."""
+    try:
+        return function(*args, **kwargs)
+    except RuntimeError as e:     # gloo raises RuntimeError, NCCL its subclass DistBackendError
+        raise CollectiveFailed(
+            f"rank {rank()} of {world_size()}: a collective failed, most likely because another process died or "
+            f"stalled (its own output says why); stopping. The last checkpoint is intact: rerun with --resume.\n{e}") from e
+
+
+def shard(items):
+    """This process's contiguous share of `items`; in rank order the shares are `items` again."""
+    k, r = world_size(), rank()
+    return items[len(items) * r // k: len(items) * (r + 1) // k]
+
+
+def gather(item):
+    """[item of rank 0, item of rank 1, ...] on every process ([item] in one process)."""
+    if world_size() == 1:
+        return [item]
+    gathered = [None] * world_size()
+    _collective(dist.all_gather_object, gathered, item)
+    return gathered
+
+
+def all_reduce(tensor):
+    """Sum `tensor` in place over the processes (what grpo.grpo_step takes as `all_reduce`)."""
+    _collective(dist.all_reduce, tensor)
+
+
+def sum_counts(counts):
+    """grpo.normalizer_counts of the whole step: sequences and tokens added up over the
+    processes, Dr. GRPO's constant the largest of them."""
+    everyone = gather(counts)
+    return {"num_sequences": sum(c["num_sequences"] for c in everyone),
+            "num_tokens": sum(c["num_tokens"] for c in everyone),
+            "max_tokens": max(c["max_tokens"] for c in everyone)}
+
+
+def merge_update_stats(per_process):
+    """One record of grpo.grpo_step's stats from every process's: counts and losses add up (the
+    losses were normalized by the whole step's counts), ratios and clip fractions are means over
+    forwarded tokens, the entropy estimate a mean over trained tokens; the gradient norm and the
+    skip decision are the same on every process."""
+    def token_mean(key, weight):
+        weights = sum(s.get(weight, 0) for s in per_process)
+        return sum(s[key] * s.get(weight, 0) for s in per_process if s.get(key) is not None) / max(1, weights)
+
+    merged = dict(per_process[0])
+    for key in ("loss", "sequences", "tokens", "forwarded_sequences", "forwarded_tokens"):
+        if key in merged:
+            merged[key] = sum(s[key] for s in per_process)
+    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl"):
+        if merged.get(key) is not None:
+            merged[key] = token_mean(key, "forwarded_tokens")
+    if "entropy" in merged:
+        merged["entropy"] = token_mean("entropy", "tokens")
+    merged["skip_reason"] = next((s["skip_reason"] for s in per_process if s.get("skip_reason")), "")
+    return merged
+
+
+def gather_step(groups, rewards, results, counts, stats, judge_failed, times):
+    """A training step as one process holding all its groups would have seen it: every process's
+    groups, rewards and judge results in rank order (the order of the step's tasks), group counts
+    and judge failures added up, the update's stats merged, and each time the slowest process's
+    (the others wait for it at the update). In one process: the arguments as they are."""
+    if world_size() == 1:
+        return groups, rewards, results, counts, stats, judge_failed, times
+    shares = gather((groups, rewards, results, counts, stats, judge_failed, times))
+    groups, rewards, results = ([x for share in shares for x in share[i]] for i in range(3))
+    counts = {key: sum(share[3][key] for share in shares) for key in counts}
+    stats = merge_update_stats([share[4] for share in shares])
+    judge_failed = sum(share[5] for share in shares)
+    times = {key: max(share[6][key] for share in shares) for key in times}
+    return groups, rewards, results, counts, stats, judge_failed, times
+
+
+def share_state(model, optimizer, scaler, extra=None):
+    """Make every process hold rank 0's LoRA weights, optimizer and loss-scaler state and torch RNG
+    state; returns rank 0's `extra` (the resumed step, ...). Sent as one torch.save'd blob, read
+    onto the CPU and loaded onto each process's own device."""
+    if world_size() == 1:
+        return extra
+    blob = None
+    if is_main():
+        buffer = io.BytesIO()
+        torch.save({"lora": [p.detach().cpu() for p in lora.lora_parameters(model)], "optimizer": optimizer.state_dict(),
+                    "scaler": scaler.state_dict(), "rng": torch.get_rng_state(), "extra": extra}, buffer)
+        blob = buffer.getvalue()
+    box = [blob]
+    _collective(dist.broadcast_object_list, box, src=0)
+    if is_main():
+        return extra
+    state = torch.load(io.BytesIO(box[0]), map_location="cpu", weights_only=False)
+    with torch.no_grad():
+        for p, value in zip(lora.lora_parameters(model), state["lora"], strict=True):
+            p.copy_(value)
+    optimizer.load_state_dict(state["optimizer"])   # moves the state onto the parameters' device
+    if state["scaler"]:          # empty when saved by a disabled scaler (no fp16): nothing to restore
+        scaler.load_state_dict(state["scaler"])
+    torch.set_rng_state(state["rng"])
+    return state["extra"]

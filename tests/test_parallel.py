@@ -1,0 +1,215 @@
+"""parallel.py and train.py under data parallelism: two CPU processes joined by gloo, launched
+the way torchrun launches them (RANK, WORLD_SIZE, MASTER_ADDR/PORT in the environment).
+
+Each process runs in a working folder of its own with a relative --out, as on two machines
+without a shared disk: whatever rank 1 writes would land in its folder, which must stay empty,
+and on --resume rank 1 can only get the checkpoint from rank 0. A small launcher script (written
+below) runs train.main in each process with a scripted judge (random tiny models answer nothing
+right, so correctness alone would give no gradient) and records, for the test to check, each
+step's groups and rewards, the loss configuration and the final LoRA weights.
+"""
+import json
+import os
+import pickle
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import grpo
+import lora
+import parallel
+import train
+from conftest import build_tiny_model
+
+REPO = Path(__file__).resolve().parents[1]
+
+LAUNCHER = '''
+import json, os, pickle, re, sys
+sys.path.insert(0, sys.argv[1])
+import torch
+import grpo, lora, train
+
+rank, record = int(os.environ["RANK"]), os.environ["RECORD_DIR"]
+launch = os.environ["LAUNCH"]
+
+
+class ScriptedJudge:
+    """Scores trajectory k of a group as k / n: every group is trainable."""
+    cache_id = "scripted"
+
+    def complete(self, messages):
+        ids = [int(i) for i in re.search(r"Trajectory ids: ([\\d, ]+)", messages[1]["content"]).group(1).split(",")]
+        return json.dumps({"scores": [{"trajectory_id": i, "explanation": "", "score": i / len(ids)} for i in ids]})
+
+
+real_score, real_step, real_apply, models, steps = train.score_groups, grpo.grpo_step, lora.apply_lora, [], []
+
+
+def score_groups(groups, *args, **kwargs):
+    if os.environ.get("FAIL_RANK") == str(rank):
+        raise RuntimeError(f"injected failure in rank {rank}")
+    rewards, results, failed = real_score(groups, *args, **kwargs)
+    steps.append((groups, rewards))
+    return rewards, results, failed
+
+
+def grpo_step(model, optimizer, batch, advantages, config, *args, **kwargs):
+    with open(os.path.join(record, "config.pkl"), "wb") as f:
+        pickle.dump(config, f)
+    return real_step(model, optimizer, batch, advantages, config, *args, **kwargs)
+
+
+def apply_lora(model, *args, **kwargs):
+    models.append(model)
+    return real_apply(model, *args, **kwargs)
+
+
+train.make_judge = lambda *args: ScriptedJudge()
+train.score_groups, grpo.grpo_step, lora.apply_lora = score_groups, grpo_step, apply_lora
+train.main(sys.argv[2:])
+with open(os.path.join(record, f"{launch}_rank{rank}.pkl"), "wb") as f:
+    pickle.dump({"steps": steps, "lora": [p.detach().clone() for p in lora.lora_parameters(models[0])]}, f)
+'''
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def launch(tmp_path, name, argv, fail_rank=None, timeout=600):
+    """Run train.py on 2 processes, each in tmp_path/rank{R}; returns [(returncode, stderr)] per rank.
+    A launch that outlives `timeout` (generous: about 15 s of CPU each, on a machine that may be
+    shared) is killed and fails the test, so nothing hangs."""
+    script = tmp_path / "launcher.py"
+    script.write_text(LAUNCHER)
+    (tmp_path / "record").mkdir(exist_ok=True)
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2",
+               OMP_NUM_THREADS="1", RECORD_DIR=str(tmp_path / "record"), LAUNCH=name, FAIL_RANK=str(fail_rank))
+    processes = []
+    t0 = time.time()
+    for rank in range(2):
+        folder = tmp_path / f"rank{rank}"
+        folder.mkdir(exist_ok=True)
+        processes.append(subprocess.Popen([sys.executable, str(script), str(REPO), *argv], cwd=folder,
+                                          env=dict(env, RANK=str(rank), LOCAL_RANK=str(rank)),
+                                          stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True))
+    results = []
+    try:
+        for p in processes:
+            _, err = p.communicate(timeout=max(1, timeout - (time.time() - t0)))
+            results.append((p.returncode, err))
+    except subprocess.TimeoutExpired:
+        for p in processes:
+            p.kill()
+        pytest.fail(f"launch {name}: the processes did not end within {timeout} s")
+    return results
+
+
+@pytest.fixture(scope="module")
+def tiny_model_dir(tmp_path_factory, smol_tokenizer):
+    folder = tmp_path_factory.mktemp("tiny-model")
+    build_tiny_model("llama", seed=0).save_pretrained(folder)
+    smol_tokenizer.save_pretrained(folder)
+    return str(folder)
+
+
+def tiny_args(model_dir, *extra):
+    """3 groups a step over 2 processes: rank 0 rolls out 1, rank 1 rolls out 2."""
+    return ["--model", model_dir, "--out", "run", "--groups-per-step", "3", "--group-size", "3", "--max-turns", "2",
+            "--max-new-tokens", "12", "--max-context", "1024", "--eval-size", "3", "--micro-batch-size", "2",
+            "--lr", "1e-2", "--seed", "3", "--sft-steps", "0", "--eval-split", "test", "--dist-timeout", "60", *extra]
+
+
+def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits, tmp_path):
+    """Two processes run step 1, stop, and resume for step 2. Both must end with bit-identical LoRA
+    weights; step 2 must equal one process's update over both processes' groups from the step-1
+    checkpoint (the summed gradients and the whole-step normalizer are the one-process ones); the
+    metrics must count every process's groups and held-out tasks; and rank 1 must write nothing."""
+    for name, extra in [("first", ["--steps", "1"]), ("resumed", ["--steps", "2", "--resume"])]:
+        results = launch(tmp_path, name, tiny_args(tiny_model_dir, *extra))
+        assert [code for code, _ in results] == [0, 0], "\n".join(err[-3000:] for _, err in results)
+    assert list((tmp_path / "rank1").iterdir()) == [], "only rank 0 writes"
+    out = tmp_path / "rank0" / "run"
+    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    steps = [r for r in records if "reward_mean" in r]
+    assert [r["step"] for r in steps] == [1, 2] and all(r["submitted_groups"] == 3 and not r["skipped"] for r in steps)
+    assert all(r["trainable_groups"] == 3 and r["sequences"] == 9 for r in steps), steps
+    evals = [r for r in records if "eval_accuracy" in r]
+    assert [r["step"] for r in evals] == [0, 1, 2] and all(r["eval_tasks"] == 3 for r in evals), "3 tasks: 1 + 2"
+    assert len(open(out / "trajectories" / "step_0002.jsonl").read().splitlines()) == 9
+
+    record = {rank: pickle.load(open(tmp_path / "record" / f"resumed_rank{rank}.pkl", "rb")) for rank in range(2)}
+    for a, b in zip(record[0]["lora"], record[1]["lora"], strict=True):
+        assert torch.equal(a, b), "the two processes' adapters differ"
+    (groups0, rewards0), = record[0]["steps"]
+    (groups1, rewards1), = record[1]["steps"]
+    assert len(groups0) == 1 and len(groups1) == 2, "a contiguous share each"
+    assert groups0[0].trajectories[0].token_ids != groups1[0].trajectories[0].token_ids
+
+    # one process, the step-1 checkpoint, both processes' groups of step 2, one update
+    model, _ = lora.load_model(tiny_model_dir)
+    lora.load_adapter(model, out / "checkpoints" / "step_0001")
+    before = [p.detach().clone() for p in lora.lora_parameters(model)]
+    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-2, weight_decay=0.0)
+    optimizer.load_state_dict(torch.load(out / "checkpoints" / "step_0001" / "trainer_state.pt",
+                                         weights_only=False)["optimizer"])
+    config = pickle.load(open(tmp_path / "record" / "config.pkl", "rb"))   # the one train.py passed
+    batch, advantages, _ = grpo.batch_from_groups(groups0 + groups1, rewards0 + rewards1)
+    stats = grpo.grpo_step(model, optimizer, batch, advantages, config, torch.amp.GradScaler("cpu", enabled=False))
+    assert not stats["skipped"] and stats["loss"] == pytest.approx(steps[1]["loss"], abs=1e-6)
+    for ours, theirs in zip(lora.lora_parameters(model), record[0]["lora"], strict=True):
+        torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=1e-6)   # measured: 6e-8 apart
+    moved = max((a - b).abs().max().item() for a, b in zip(record[0]["lora"], before))
+    assert moved > 1e-3, "step 2 must move the adapter, or the comparison shows nothing"
+
+
+def test_a_failing_process_ends_the_job(tiny_model_dir, splits, tmp_path):
+    """A process that raises must not leave the other waiting forever: rank 1 fails in its first
+    step; rank 0 must stop on its own (no launcher kills it here, unlike torchrun) with a message
+    that names the cause, its last checkpoint intact."""
+    (code0, err0), (code1, err1) = launch(tmp_path, "failing", tiny_args(tiny_model_dir, "--steps", "2"), fail_rank=1)
+    assert code1 != 0 and "injected failure in rank 1" in err1
+    assert code0 != 0 and "rank 0 of 2: a collective failed" in err0 and "--resume" in err0, err0[-3000:]
+    assert (tmp_path / "rank0" / "run" / "checkpoints" / "latest").read_text() == "step_0000"
+
+
+# ----------------------------------------------------------------------------- in one process
+def test_shards_are_contiguous_and_cover_everything(monkeypatch):
+    """Every item goes to exactly one process, in order, shares differing by at most one."""
+    items = list(range(7))
+    shares = []
+    for r in range(3):
+        monkeypatch.setattr(parallel, "rank", lambda r=r: r)
+        monkeypatch.setattr(parallel, "world_size", lambda: 3)
+        shares.append(parallel.shard(items))
+    assert sum(shares, []) == items and sorted(map(len, shares)) == [2, 2, 3]
+
+
+def test_one_process_is_left_alone():
+    """Without torchrun nothing joins, shards are everything, and share_state leaves the model."""
+    assert parallel.start(5) is None and parallel.world_size() == 1 and parallel.is_main()
+    assert parallel.shard([1, 2]) == [1, 2] and parallel.gather("x") == ["x"]
+    assert parallel.sum_counts({"num_sequences": 2, "num_tokens": 5, "max_tokens": 3}) == {
+        "num_sequences": 2, "num_tokens": 5, "max_tokens": 3}
+    assert train.parse_args(["--steps", "1"]).dist_timeout == 1800
+
+
+def test_merged_stats_by_hand():
+    """Two processes' update stats: losses and counts add up, clip fractions are means over the
+    forwarded tokens (10 and 30 tokens: 0.1 and 0.5 give 0.4), the entropy over trained tokens."""
+    a = {"loss": 0.25, "sequences": 2, "tokens": 20, "forwarded_sequences": 1, "forwarded_tokens": 10,
+         "clip_frac_low": 0.1, "clip_frac_high": 0.0, "ratio_mean": 1.0, "kl": None, "entropy": 1.0,
+         "grad_norm": 3.0, "skipped": False, "skip_reason": ""}
+    b = dict(a, loss=-0.5, sequences=3, tokens=60, forwarded_sequences=3, forwarded_tokens=30, clip_frac_low=0.5,
+             entropy=2.0)
+    merged = parallel.merge_update_stats([a, b])
+    assert merged["loss"] == -0.25 and merged["sequences"] == 5 and merged["forwarded_tokens"] == 40
+    assert merged["clip_frac_low"] == pytest.approx(0.4) and merged["entropy"] == pytest.approx(1.75)
+    assert merged["grad_norm"] == 3.0 and merged["kl"] is None and not merged["skipped"]
