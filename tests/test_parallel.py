@@ -24,7 +24,6 @@ import grpo
 import lora
 import parallel
 import train
-from conftest import build_tiny_model
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -110,14 +109,6 @@ def launch(tmp_path, name, argv, fail_rank=None, timeout=600):
             p.kill()
         pytest.fail(f"launch {name}: the processes did not end within {timeout} s")
     return results
-
-
-@pytest.fixture(scope="module")
-def tiny_model_dir(tmp_path_factory, smol_tokenizer):
-    folder = tmp_path_factory.mktemp("tiny-model")
-    build_tiny_model("llama", seed=0).save_pretrained(folder)
-    smol_tokenizer.save_pretrained(folder)
-    return str(folder)
 
 
 def tiny_args(model_dir, *extra):
