@@ -29,7 +29,6 @@ import importlib.util
 import json
 import math
 import os
-from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -171,17 +170,24 @@ def lora_parameters(model) -> list[nn.Parameter]:
             for p in (m.lora_A.weight, m.lora_B.weight)]
 
 
-@contextmanager
-def lora_disabled(model):
-    """Run the base model: the frozen reference policy for the KL term, without a second copy."""
-    layers = [m for m in model.modules() if isinstance(m, LoRALinear)]
-    before = [m.enabled for m in layers]
-    for m in layers:
-        m.enabled = False
-    try:
-        yield model
-    finally:
-        for m, was in zip(layers, before):
+class lora_disabled:
+    """Run the base model: the frozen reference policy for the KL term, without a second copy.
+
+    `with lora_disabled(model): ...`. A class rather than a generator so that one object can be
+    entered again and again (grpo_update passes the same reference context to each of its steps)."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear)]
+        self.before = [m.enabled for m in self.layers]
+        for m in self.layers:
+            m.enabled = False
+        return self.model
+
+    def __exit__(self, *exc):
+        for m, was in zip(self.layers, self.before):
             m.enabled = was
 
 

@@ -560,6 +560,7 @@ def run_process(args, device):
 
         # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
         #    whole step's tokens and the gradients are summed over the processes (parallel.py)
+        reference = lora.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
         if args.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
             correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
             stats = (grpo.sft_step(model, optimizer, correct, config, scaler) if correct
@@ -567,13 +568,11 @@ def run_process(args, device):
         elif world > 1:
             step_counts = parallel.sum_counts(grpo.normalizer_counts(batch, config))
             if step_counts["num_sequences"]:     # every process steps, with a share or with nothing
-                reference = lora.lora_disabled(model) if args.kl_coef > 0 else None
                 stats = grpo.grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=reference,
                                        counts=step_counts, all_reduce=parallel.all_reduce)
             else:
                 stats = {"skipped": True, "skip_reason": "no trainable group"}
         elif batch:
-            reference = lora.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
             stats = grpo.grpo_update(model, optimizer, batch, advantages, config, scaler, reference_context=reference,
                                      seed=step_seed)
         else:

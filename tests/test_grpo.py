@@ -320,6 +320,18 @@ def test_grpo_update_with_one_epoch_and_one_minibatch_is_one_grpo_step():
     assert stats_b["updates"] == 1 and stats_a["loss"] == stats_b["loss"]
 
 
+def test_several_steps_per_batch_with_a_kl_term_reuse_the_reference_context():
+    """grpo_update enters the one reference context it is given at every step (4 here)."""
+    model, params = tiny_model()
+    perturb_lora(params)
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    config = grpo.GRPOConfig(epochs=2, minibatches=2, kl_coef=0.1)
+    stats = grpo.grpo_update(model, optimizer, trajectories(6), ADVANTAGES, config, NO_SCALER,
+                             reference_context=lora.lora_disabled(model))
+    assert stats["updates"] == 4 and stats["kl"] > 0
+    assert all(m.enabled for m in model.modules() if isinstance(m, lora.LoRALinear))
+
+
 def test_several_steps_per_batch_make_the_ratio_move_and_the_clip_act():
     """On fresh rollouts (recorded log-probs = the policy's own) the first step sees ratio 1 and
     clips nothing; after 2 epochs x 2 minibatches at a high learning rate the policy has moved away
