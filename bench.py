@@ -555,12 +555,12 @@ def bench_learn(args):
         return [json.loads(line) for line in open(os.path.join(out, arm, "metrics.jsonl"))]
 
     def finished(argv):   # a run of exactly these arguments completed
-        folder = train.parse_args(argv).out
+        wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
         try:
-            config = json.load(open(os.path.join(folder, "config.json")))
+            config = json.load(open(os.path.join(wanted["out"], "config.json")))
         except (OSError, ValueError):
             return False
-        return config == json.loads(json.dumps(vars(train.parse_args(argv)))) and os.path.isdir(os.path.join(folder, "final"))
+        return config == wanted and os.path.isdir(os.path.join(wanted["out"], "final"))
 
     # 1) the shared start
     sft_argv = common + ["--sft-steps", str(args.sft_steps), "--steps", "0", "--seed", str(args.seed),
