@@ -15,18 +15,21 @@ the model saw or sampled, in order, with a mask (1 on sampled tokens) and each s
 log-prob: what the update trains on, never a re-tokenization of the messages.
 
 How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows):
-  1) each task's prompt (system prompt with the tools, a worked example, the question, through
-     the chat template) is encoded ONCE: one forward over the G prompts;
-  2) the KV cache is copied into N rows per prompt, so the N samples share that work;
-  3) all rows decode together, one token per forward; each sampled token is recorded with its
+  1) the prompts' common prefix (system prompt with the tools, the worked example: all but the
+     question) is encoded ONCE, into a one-row cache every row starts from; the rest of each
+     prompt is the row's first feed;
+  2) all rows decode together, one token per forward; each sampled token is recorded with its
      log-prob under the raw model distribution (temperature 1, no top-p: the policy GRPO trains);
-  4) a row whose turn ends with `<tool_call>{json}</tool_call>` runs the tool; the new text
+  3) a row whose turn ends with `<tool_call>{json}</tool_call>` runs the tool; the new text
      (end of turn + tool message + next assistant header) is taken from the chat template as a
-     suffix of what is already rendered, tokenized, and appended to that row's cache;
-  5) a row stops on `submit_answer`, a missing call, max turns, max tokens per turn, the
+     suffix of what is already rendered, tokenized, and queued for that row;
+  4) a row stops on `submit_answer`, a missing call, max turns, max tokens per turn, the
      context limit, or non-finite logits (fp16 overflow: there is no distribution to sample
      from) (`Trajectory.stop_reason`); finished rows leave the batch;
-  6) one forward feeds every row what it was given: a sampled token, or a tool result.
+  5) once no row is mid-turn (the flush), the cache is packed (each row's real columns moved
+     left, columns that are holes in every row cut), rows still waiting join in the places of
+     finished ones (with `max_rows`, continuous batching), and every row's queue is fed at once;
+  6) one forward feeds every row what it was given: a sampled token, or a queue.
 
 Asking a trained agent (`main`, at the end of this file) is the same engine on one row, greedy,
 on a Task with no gold SQL, with an `on_message` hook that prints each tool call and a short view
@@ -41,9 +44,8 @@ columns, W tokens fed in one forward, V vocabulary, N samples per task, G tasks,
 Deliberate simplifications, and why they are safe:
 - Appends are turn-synchronous: a row that called a tool waits (fed holes) until no row is
   mid-turn, then all waiting rows append in one forward. Appending whenever a row is ready
-  would add one full-width column block per row per turn; waiting keeps the cache about
-  prompt + sum over turns of (longest turn + longest tool result) wide. On a CPU a decode
-  step costs about the same for a few more rows, so the waiting rows are nearly free.
+  would add one full-width column block per row per turn; waiting, then packing, keeps the
+  cache as wide as the longest row. A waiting row costs one row of a decode step.
 - One tool call per turn: generation stops at `</tool_call>`, so a second call is never made.
 - The KV cache is our own (`KVCache`, at the end of this file): transformers' DynamicCache grows
   by torch.cat, so every decode step allocates a new tensor per layer and copies the whole past
@@ -264,8 +266,8 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, stats=None, on_message=None) -> list[TrajectoryGroup]:
-    """N trajectories for each task, all G*N rows decoded in one batch (the steps in the docstring).
+                   make_env=None, forced_turns=None, stats=None, on_message=None, max_rows=None) -> list[TrajectoryGroup]:
+    """N trajectories for each task, decoded in one batch (the steps in the docstring).
 
     make_env: task -> environment (default sql_env.SQLEnv), with .tools, .call(name, args), .done,
         .submitted_sql, .correct, .num_tool_errors.
@@ -274,66 +276,85 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         row then samples on. The log-probs recorded for forced tokens are still the raw model's.
     stats: a dict to fill with engine counters (forward_s, total_s, forwards, fed_tokens, ...).
     on_message: called as on_message(row, message) when a row records an assistant turn or a tool
-        message, while the batch is still decoding: to show an episode as it happens."""
+        message, while the batch is still decoding: to show an episode as it happens.
+    max_rows: at most this many rows decode at once (default: all G*N). The others wait in task
+        order and join at a flush, in the places of finished rows (continuous batching), so one
+        call runs a whole evaluation without waiting on the slowest row of each batch."""
     t_start, was_training = time.perf_counter(), model.training
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     stop_ids, pad_id, chat = stop_token_ids(model, tokenizer), tokenizer.pad_token_id or 0, _Chat(tokenizer)
     forward = _Forward(model)
-    counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0)
+    counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0, packed_columns=0)
 
-    # 1) one prompt per task, encoded once (one forward over the G prompts)
-    rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
-    cache = KVCache(config=model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
-    mask, logits = _prefill(forward, prompts, cache, pad_id)                        # (G, P), (G, V)
-    counters["prompt_tokens"] = sum(map(len, prompts))
+    with lora.lora_merged(model):      # one fp32 weight per layer while generating (lora.py says why)
+        # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
+        #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
+        rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
+        prefix, prefix_len = KVCache(model.config), _common_prefix_length(prompts)
+        forward(torch.tensor([prompts[0][:prefix_len]], device=model.device),
+                torch.ones((1, prefix_len), dtype=torch.long, device=model.device), prefix, -1)
+        for r, row in enumerate(rows):
+            row.pending = prompts[r // n][prefix_len:]
+        counters["prompt_tokens"] = prefix_len
 
-    # 2) copy each prompt's cache, mask and next-token logits into its N rows: B = G*N
-    cache.batch_repeat_interleave(n)
-    mask = mask.repeat_interleave(n, dim=0)                                          # (B, S)
-    logits = logits.repeat_interleave(n, dim=0)                                      # (B, V)
-    active = list(range(len(rows)))     # active[b] = index into rows of cache row b
+        cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
+        mask = torch.zeros((0, 0), dtype=torch.long, device=model.device)       # (B, S): 1 real token, 0 hole
+        waiting = list(range(len(rows)))[::-1]   # rows not started yet, the next one last
+        active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, V)
+        max_rows = max_rows or len(rows)
 
-    while active:
-        # 3) every active row that is mid-turn takes its next token: forced, greedy or sampled
-        chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling, generator)
+        while active or waiting:
+            # 2) every active row that is mid-turn takes its next token: forced, greedy or sampled
+            feed = {}                       # r -> tokens to feed in the next forward
+            if active:
+                chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling, generator)
+            # 3) end turns: run tools, queue the appended tokens, close finished rows
+            for b, r in enumerate(active):
+                row = rows[r]
+                if row.pending:             # waiting for the flush: not mid-turn, fed a hole
+                    continue
+                if not finite[b]:           # an overflow upstream: no token to take, the row ends here
+                    counters["non_finite_rows"] += 1
+                    _end_turn(row, limits, chat, truncated="non_finite_logits")
+                    continue
+                _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, chat)
+                if row.pending:
+                    row.pending.insert(0, chosen[b])   # the call's last token is not in the cache yet
+                elif not row.stop_reason:
+                    feed[r] = [chosen[b]]              # still mid-turn: feed the sampled token
 
-        # 4) end turns: run tools, queue the appended tokens, close finished rows
-        feed = {}                       # r -> tokens to feed in the next forward
-        for b, r in enumerate(active):
-            row = rows[r]
-            if row.pending:             # waiting for the flush: not mid-turn, fed a hole
-                continue
-            if not finite[b]:           # an overflow upstream: no token to take, the row ends here
-                counters["non_finite_rows"] += 1
-                _end_turn(row, limits, chat, truncated="non_finite_logits")
-                continue
-            _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, chat)
-            if row.pending:
-                row.pending.insert(0, chosen[b])   # the call's last token is not in the cache yet
-            elif not row.stop_reason:
-                feed[r] = [chosen[b]]              # still mid-turn: feed the sampled token
-        # turn-synchronous flush: once no row is mid-turn, every waiting row appends at once
-        if not feed:
-            for r in active:
-                if rows[r].pending:
+            # 4) drop finished rows from the batch (cache, mask and their bookkeeping)
+            keep = [b for b, r in enumerate(active) if not rows[r].stop_reason]
+            if len(keep) < len(active):
+                index = torch.tensor(keep, dtype=torch.long, device=model.device)
+                cache.batch_select_indices(index)
+                mask = mask[index]
+                active = [active[b] for b in keep]
+
+            # 5) the turn-synchronous flush: once no row is mid-turn, pack the cache (drop hole columns),
+            #    let waiting rows join with the prefix, and feed every row its queued tokens at once
+            if not feed:
+                mask, dropped = _pack_left(cache, mask)
+                counters["packed_columns"] += dropped
+                joining = [waiting.pop() for _ in range(min(len(waiting), max_rows - len(active)))]
+                if joining:
+                    cache.add_rows(prefix, len(joining))          # the prefix, then holes up to the cache's width
+                    width = cache.get_seq_length()
+                    new_mask = (torch.arange(width, device=model.device) < prefix_len).long().expand(len(joining), -1)
+                    mask = torch.cat([mask.new_zeros((0, width)) if not len(mask) else mask, new_mask])
+                    active += joining
+                for r in active:
                     feed[r], rows[r].pending = rows[r].pending, []
-                    counters["appended_tokens"] += len(feed[r]) - 1     # the call's last token was sampled
+                    # a row's first feed is the rest of its prompt; later ones end with a sampled token
+                    counters["prompt_tokens" if rows[r].num_turns == 0 else "appended_tokens"] += len(feed[r]) - (rows[r].num_turns > 0)
+            if not active:
+                break
 
-        # 5) drop finished rows from the batch (cache, mask and their bookkeeping)
-        keep = [b for b, r in enumerate(active) if not rows[r].stop_reason]
-        if not keep:
-            break
-        if len(keep) < len(active):
-            index = torch.tensor(keep, dtype=torch.long, device=model.device)
-            cache.batch_select_indices(index)
-            mask = mask[index]
-            active = [active[b] for b in keep]
-
-        # 6) one forward for all rows over what they were fed
-        ids, new_mask = _right_aligned([feed.get(r, []) for r in active], pad_id, model.device)   # (B, W) each
-        mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
-        logits = forward(ids, mask, cache, -1)      # (B, V); a waiting row's are unused
+            # 6) one forward for all rows over what they were fed
+            ids, new_mask = _right_aligned([feed.get(r, []) for r in active], pad_id, model.device)   # (B, W) each
+            mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
+            logits = forward(ids, mask, cache, -1)      # (B, V); a waiting row's are unused
 
     model.train(was_training)
     if stats is not None:
@@ -341,6 +362,30 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                      generated_tokens=sum(sum(row.mask) for row in rows))
     trajectories = [_trajectory(row) for row in rows]
     return [TrajectoryGroup(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
+
+
+def _common_prefix_length(prompts) -> int:
+    """Tokens every prompt starts with, leaving each at least one of its own (the rows' first feed)."""
+    length = min(map(len, prompts)) - 1
+    for prompt in prompts[1:]:
+        length = next((i for i in range(length) if prompt[i] != prompts[0][i]), length)
+    return length
+
+
+def _pack_left(cache, mask):
+    """Move each row's real columns to the left, in order, and cut the columns that are now holes in
+    every row. A column's key already holds its position (rotary), and positions come from the mask
+    (cumsum - 1), so no token's position or attention changes. Returns (the new mask, columns cut)."""
+    if not len(mask):                               # no rows: the next ones start an empty cache
+        cache.pack(None, 0)
+        return mask[:, :0], mask.shape[1]
+    real = mask.sum(1)                                                              # (B,)
+    width = int(real.max())
+    if width == mask.shape[1]:
+        return mask, 0
+    order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]            # (B, width): real columns first
+    cache.pack(order, width)
+    return (torch.arange(width, device=mask.device) < real[:, None]).long(), mask.shape[1] - width
 
 
 class _Forward:
@@ -397,20 +442,6 @@ def _start_rows(tasks, n, chat, limits, make_env, forced_turns, on_message=None)
                              [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
                              text_len=len(chat.decode(prompt)), on_message=hook))
     return rows, prompts
-
-
-def _prefill(forward, prompts, cache, pad_id):
-    """Encode G prompts in one forward into `cache`: right-padded with holes (mask 0), so that no
-    query is fully masked; each row's logits are read at its own last real token.
-    Returns (mask (G, P), next-token logits (G, V))."""
-    P, device = max(map(len, prompts)), forward.device
-    ids = torch.full((len(prompts), P), pad_id, dtype=torch.long, device=device)     # (G, P)
-    mask = torch.zeros((len(prompts), P), dtype=torch.long, device=device)           # (G, P)
-    for g, prompt in enumerate(prompts):
-        ids[g, :len(prompt)] = torch.tensor(prompt, device=device)
-        mask[g, :len(prompt)] = 1
-    last = torch.tensor([len(p) - 1 for p in prompts], device=device)                # (G,)
-    return mask, forward(ids, mask, cache, last)
 
 
 def _next_tokens(logits, rows, sampling, generator):
@@ -628,37 +659,39 @@ def _finish(row: _Row, reason: str, chat):
 # get_seq_length -> the length before this forward (asked once, before any layer updates);
 # subclassing Cache and CacheLayerMixin gives the rest (the is_sliding lists, isinstance checks).
 class KVLayer(CacheLayerMixin):
-    """One layer's keys and values in preallocated (B, kv_heads, capacity, head_dim) buffers, of
-    which the first `length` columns are valid; `update` returns views of the valid part."""
+    """One layer's keys and values in preallocated (rows allocated, kv_heads, capacity, head_dim)
+    buffers, of which the first `rows` rows and `length` columns are valid; `update` returns views
+    of the valid part. Dropped rows leave their memory allocated, for rows that join later."""
 
     is_sliding = False
     is_compileable = False       # True would make transformers build a mask at every decode step
 
     def __init__(self, capacity: int = 0):
         super().__init__()
+        self.rows = 0                    # valid rows (the batch) in the buffers
         self.length = 0                  # valid columns (tokens) in the buffers
         self.min_capacity = capacity     # a hint: preallocate this many columns on first use
 
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
-        capacity = max(self.min_capacity, key_states.shape[-2], 16)
-        self.keys, self.values = self._empty(key_states, capacity), self._empty(value_states, capacity)
+        self.rows, capacity = key_states.shape[0], max(self.min_capacity, key_states.shape[-2], 16)
+        self.keys, self.values = self._empty(key_states, self.rows, capacity), self._empty(value_states, self.rows, capacity)
         self.is_initialized = True
 
-    def _empty(self, like, capacity):
-        B, H, _, D = like.shape
-        return torch.empty((B, H, capacity, D), dtype=like.dtype, device=like.device)
+    def _empty(self, like, rows, capacity):
+        return torch.empty((rows, like.shape[1], capacity, like.shape[-1]), dtype=like.dtype, device=like.device)
 
-    def _reserve(self, needed):
-        """Make room for `needed` columns: at least double the capacity, keep the valid part
-        (an amortized O(1) copy per token)."""
-        if needed <= self.keys.shape[-2]:
+    def _reserve(self, rows, columns):
+        """Make room for `rows` rows and `columns` columns, keeping the valid part: at least double
+        the capacity of columns when it grows (an amortized O(1) copy per token)."""
+        allocated, capacity = self.keys.shape[0], self.keys.shape[-2]
+        if rows <= allocated and columns <= capacity:
             return
-        capacity, L = max(needed, 2 * self.keys.shape[-2]), self.length
-        keys, values = self._empty(self.keys, capacity), self._empty(self.values, capacity)
-        keys[:, :, :L].copy_(self.keys[:, :, :L])
-        values[:, :, :L].copy_(self.values[:, :, :L])
-        self.keys, self.values = keys, values
+        rows, capacity = max(rows, allocated), capacity if columns <= capacity else max(columns, 2 * capacity)
+        for name in ("keys", "values"):
+            old, new = getattr(self, name), self._empty(getattr(self, name), rows, capacity)
+            new[:self.rows, :, :self.length].copy_(old[:self.rows, :, :self.length])
+            setattr(self, name, new)
 
     def update(self, key_states, value_states, *args, **kwargs):
         """Write the new (B, kv_heads, W, head_dim) states after the valid part and return the
@@ -667,11 +700,11 @@ class KVLayer(CacheLayerMixin):
         if not self.is_initialized:
             self.lazy_initialization(key_states, value_states)
         start, end = self.length, self.length + key_states.shape[-2]
-        self._reserve(end)
-        self.keys[:, :, start:end].copy_(key_states)
-        self.values[:, :, start:end].copy_(value_states)
+        self._reserve(self.rows, end)
+        self.keys[:self.rows, :, start:end].copy_(key_states)
+        self.values[:self.rows, :, start:end].copy_(value_states)
         self.length = end
-        return self.keys[:, :, :end], self.values[:, :, :end]
+        return self.keys[:self.rows, :, :end], self.values[:self.rows, :, :end]
 
     def get_mask_sizes(self, query_length):
         return self.length + query_length, 0       # (kv_length, kv_offset), as DynamicLayer
@@ -682,23 +715,38 @@ class KVLayer(CacheLayerMixin):
     def get_max_length(self):
         return -1                                  # grows without bound
 
-    def batch_repeat_interleave(self, repeats):
-        """Row b becomes rows b*repeats .. b*repeats + repeats - 1 (one broadcast copy, no temporary)."""
-        B, H, C, D = self.keys.shape
-        for name in ("keys", "values"):
-            old = getattr(self, name)
-            new = torch.empty((B, repeats, H, C, D), dtype=old.dtype, device=old.device)
-            new[:, :, :, :self.length] = old[:, None, :, :self.length]
-            setattr(self, name, new.view(B * repeats, H, C, D))
-
-    def batch_select_indices(self, indices):
-        """Keep rows `indices`, in that order, compacted in place into the first len(indices) rows of
-        the same buffers (the dropped rows' memory goes when the cache does)."""
-        m, L = len(indices), self.length
+    def add_rows(self, source: "KVLayer", count: int):
+        """`count` new rows after the valid ones, each a copy of `source`'s first row in its first
+        source.length columns and zeros (holes, which the mask hides) after; in rows dropped earlier
+        when there are enough, so a batch that keeps its size allocates nothing."""
+        if not self.is_initialized:
+            self.lazy_initialization(source.keys[:0, :, :0], source.values[:0, :, :0])
+        length, first, end = max(self.length, source.length), self.rows, self.rows + count
+        self._reserve(end, length)
         for name in ("keys", "values"):
             buf = getattr(self, name)
-            buf[:m, :, :L] = buf[indices.to(buf.device), :, :L]     # the right side is gathered first
-            setattr(self, name, buf[:m])
+            buf[first:end, :, :source.length] = getattr(source, name)[:1, :, :source.length]
+            buf[first:end, :, source.length:length] = 0
+        self.rows, self.length = end, length
+
+    def pack(self, order, width):
+        """Keep `width` columns, row b's taken from its columns order[b] (B, width), in that order."""
+        if order is None:
+            self.length = 0
+            return
+        rows = torch.arange(len(order), device=order.device)[:, None]                # (B, 1)
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            picked = buf[rows, :, order.to(buf.device)]                              # (B, width, H, D): a copy
+            buf[:len(order), :, :width] = picked.transpose(1, 2)
+        self.length = width
+
+    def batch_select_indices(self, indices):
+        """Keep rows `indices`, in that order, compacted in place into the first len(indices) rows."""
+        for name in ("keys", "values"):
+            buf = getattr(self, name)
+            buf[:len(indices), :, :self.length] = buf[indices.to(buf.device), :, :self.length]   # gathered first
+        self.rows = len(indices)
 
 
 class KVCache(Cache):
@@ -706,7 +754,7 @@ class KVCache(Cache):
 
         cache = KVCache(config=model.config, capacity=prompt_len + max_new_tokens)   # a hint
         body(input_ids=ids, attention_mask=mask, position_ids=pos, use_cache=True, past_key_values=cache)
-        cache.batch_repeat_interleave(n); cache.batch_select_indices(index)
+        cache.add_rows(prefix, n); cache.batch_select_indices(index); cache.pack(order, width)
     """
 
     def __init__(self, config, capacity: int = 0):
@@ -717,6 +765,14 @@ class KVCache(Cache):
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
+
+    def add_rows(self, source: "KVCache", count: int):
+        for layer, from_layer in zip(self.layers, source.layers):
+            layer.add_rows(from_layer, count)
+
+    def pack(self, order, width):
+        for layer in self.layers:
+            layer.pack(order, width)
 
     def get_query_offset(self, layer_idx: int = 0) -> int:
         return self.layers[layer_idx].length

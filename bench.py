@@ -6,6 +6,7 @@
     python bench.py judge-server   # the --judge http path against llama.cpp's server (if installed)
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
     python bench.py update    # one SFT step: the lm_head at trained positions only, one sequence at a time
+    python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: continuous batching vs batches
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
@@ -483,6 +484,62 @@ def bench_update(args):
                       "batch": f"4 demonstrations, {tokens[0]} tokens of which {tokens[1]} trained, LoRA r=16"}))
 
 
+# ---------------------------------------------------------------- eval (train.py's evaluation)
+EVAL_VARIANTS = {"batches-32": ("batches", 32), "continuous-32": ("continuous", 32), "continuous-16": ("continuous", 16)}
+
+
+def bench_eval(args):
+    """The greedy evaluation of a held-out split (all of it by default), as train.py runs it, with
+    train.py's default limits: the earlier way, batches of 32 tasks each waiting for its slowest
+    episode, against one engine call where a finished episode's place is taken by the next task
+    (continuous batching), with 32 and with 16 rows at a time. Each variant in a fresh process:
+    its time, its peak resident memory (the whole process: model, adapter, caches), the engine's
+    counters, and the outcomes, which greedy decoding makes (nearly) the same in every variant.
+    """
+    variant = os.environ.get(CHILD_VARIANT)
+    if variant is None:
+        argv = ["eval", "--split", args.split, "--tasks", str(args.tasks), *(["--adapter", args.adapter] if args.adapter else [])]
+        results = {v: in_fresh_process(argv, v) for v in EVAL_VARIANTS}
+        base = results["batches-32"]
+        print(f"\ngreedy evaluation of {base['tasks']} {args.split} tasks, {args.adapter or 'the base model'}, "
+              f"{base['limits']} | {base['device']}")
+        print(f"{'variant':<16}{'time':>9}{'tasks/min':>11}{'vs batches':>12}{'rows/forward':>14}{'forwards':>10}"
+              f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}")
+        for v, r in results.items():
+            same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
+            print(f"{v:<16}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
+                  f"{r['logit_rows'] / r['forwards']:>14.1f}{r['forwards']:>10}{r['peak_gib']:>9.2f} GiB"
+                  f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}")
+        return
+
+    import agentrl
+    import lora
+    import sql_env
+    import train
+    mode, rows = EVAL_VARIANTS[variant]
+    defaults = train.parse_args([])
+    limits = agentrl.Limits(defaults.max_turns, defaults.max_new_tokens, defaults.max_context)
+    model, tokenizer = lora.load_model()
+    if args.adapter:
+        lora.load_adapter(model, lora.find_adapter(args.adapter))
+    tasks = sql_env.load_tasks("default", args.split)
+    tasks = tasks[:args.tasks] if args.tasks else tasks
+    greedy, stats, groups = agentrl.Sampling(greedy=True), {}, []
+    t0 = time.perf_counter()
+    if mode == "batches":
+        for i in range(0, len(tasks), rows):
+            part = {}
+            groups += agentrl.rollout_groups(model, tokenizer, tasks[i:i + rows], 1, greedy, limits, stats=part)
+            stats = {k: stats.get(k, 0) + v for k, v in part.items()}
+    else:
+        groups = agentrl.rollout_groups(model, tokenizer, tasks, 1, greedy, limits, stats=stats, max_rows=rows)
+    seconds = time.perf_counter() - t0
+    print(json.dumps({"seconds": seconds, "tasks": len(tasks), "peak_gib": resident_bytes("VmHWM") / 2**30,
+                      "outcomes": "".join("1" if g.trajectories[0].correct else "0" for g in groups),
+                      "forwards": stats["forwards"], "logit_rows": stats["logit_rows"], "device": "cpu",
+                      "limits": f"{limits.max_turns} turns x {limits.max_new_tokens} tokens"}))
+
+
 # ---------------------------------------------------------------- learn (train.py)
 def paired_difference(before, after, resamples=10_000, seed=0):
     """How much `after` beats `before` on the same tasks: per-task outcomes (0/1, paired by position).
@@ -515,10 +572,8 @@ def headroom(adapter, tasks, k, seed, limits):
     import lora
     model, tokenizer = lora.load_model(None)
     lora.load_adapter(model, adapter)
-    correct = []
-    for i in range(0, len(tasks), 8):   # 8 tasks x k rows per batch
-        groups = agentrl.rollout_groups(model, tokenizer, tasks[i:i + 8], k, agentrl.Sampling(seed=seed + i), limits)
-        correct += [sum(t.correct for t in g.trajectories) for g in groups]
+    groups = agentrl.rollout_groups(model, tokenizer, tasks, k, agentrl.Sampling(seed=seed), limits, max_rows=8 * k)
+    correct = [sum(t.correct for t in g.trajectories) for g in groups]
     return (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
 
 
@@ -712,11 +767,13 @@ def bench_gpu(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "gpu", "learn", "scale"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "scale"])
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
-    parser.add_argument("--adapter", default=None, help="judge, judge-server: roll out the embedded model with this saved adapter")
+    parser.add_argument("--adapter", default=None, help="judge, judge-server, eval: the embedded model with this saved adapter (or run folder)")
+    parser.add_argument("--split", default="test", help="eval: the held-out split to evaluate")
+    parser.add_argument("--tasks", type=int, default=0, help="eval: the split's first N tasks (0: all)")
     parser.add_argument("--tokenizer", default=None,
                         help="gpu, memory --shape qwen2.5-3b: a tokenizer folder (default: the embedded model's)")
     parser.add_argument("--eval-size", type=int, default=0, help="learn: held-out tasks per split and evaluation (0: all)")
@@ -730,7 +787,7 @@ def main():
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
     args.train_flags = train_flags  # learn, scale: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
     benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "judge-server": bench_judge_server,
-               "memory": bench_memory, "update": bench_update, "gpu": bench_gpu, "learn": bench_learn, "scale": bench_scale}
+               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "scale": bench_scale}
     benches[args.which](args)
 
 

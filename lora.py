@@ -142,11 +142,14 @@ class LoRALinear(nn.Module):
         nn.init.zeros_(self.lora_B.weight)
         self.dropout = nn.Dropout(dropout)
         self.enabled = True
+        self.merged = None      # W + scale * B A while `lora_merged` holds it: one matmul instead of three
 
     def forward(self, x):
-        y = self.base_layer(x)
         if not self.enabled:
-            return y
+            return self.base_layer(x)
+        if self.merged is not None:
+            return nn.functional.linear(x, self.merged, self.base_layer.bias)
+        y = self.base_layer(x)
         update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
         return y + (self.scale * update).to(y.dtype)
 
@@ -189,6 +192,29 @@ class lora_disabled:
     def __exit__(self, *exc):
         for m, was in zip(self.layers, self.before):
             m.enabled = was
+
+
+class lora_merged:
+    """Generate with W + scale * B A folded into one fp32 weight per layer, no gradient: the same
+    function as the LoRA forward up to rounding, one matmul per layer instead of three (on a CPU
+    the small LoRA matmuls cost about 15% of a decode step). Each merged layer holds a copy of its
+    weight until the context ends. Layers whose weight is not fp32 keep the LoRA path: folding
+    a small update into fp16/bf16 weights would round it away."""
+
+    def __init__(self, model):
+        self.model = model
+
+    @torch.no_grad()
+    def __enter__(self):
+        self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled
+                       and m.base_layer.weight.dtype == torch.float32 and not (m.training and m.dropout.p)]
+        for m in self.layers:
+            m.merged = torch.addmm(m.base_layer.weight, m.lora_B.weight, m.lora_A.weight, alpha=m.scale)
+        return self.model
+
+    def __exit__(self, *exc):
+        for m in self.layers:
+            m.merged = None
 
 
 def _lora_layers(model) -> dict[str, LoRALinear]:

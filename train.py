@@ -347,14 +347,13 @@ def behaviour(trajectories):
     }
 
 
-def evaluate(model, tokenizer, tasks, limits, batch_groups=32):
+def evaluate(model, tokenizer, tasks, limits, max_rows=32):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
-    and the behaviour counters."""
-    greedy = agentrl.Sampling(greedy=True)
-    trajectories, mine = [], parallel.shard(tasks)   # this process's share of the tasks (all of them in one)
-    for i in range(0, len(mine), batch_groups):
-        groups = agentrl.rollout_groups(model, tokenizer, mine[i:i + batch_groups], 1, greedy, limits)
-        trajectories += [g.trajectories[0] for g in groups]
+    and the behaviour counters. All tasks go through one engine call, `max_rows` episodes at a
+    time, a finished episode's place taken by the next task (continuous batching)."""
+    mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
+    groups = agentrl.rollout_groups(model, tokenizer, mine, 1, agentrl.Sampling(greedy=True), limits, max_rows=max_rows)
+    trajectories = [g.trajectories[0] for g in groups]
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
     by_tier = {}
     for task, t in zip(tasks, trajectories):

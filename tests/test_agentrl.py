@@ -162,16 +162,21 @@ def test_rollout_outcomes_follow_the_script(scripted):
         assert max(sampled_runs(t.assistant_mask)) <= LIMITS.max_new_tokens
 
 
-def test_rollout_prompt_shared_within_group(scripted, smol_tokenizer):
-    """All rows of a group start from the same prompt tokens, mask 0, and each prompt is
-    computed once for the whole group (the engine's prompt_tokens counter)."""
+def test_rollout_prompt_prefix_encoded_once(scripted, smol_tokenizer):
+    """All rows of a group start from their task's prompt tokens, mask 0; the tokens every prompt
+    shares (all but the question) are encoded once for the whole call, the rest once per row
+    (the engine's prompt_tokens counter)."""
     _, _, groups, stats = scripted("llama", "smol_tokenizer")
     prompts = [smol_tokenizer(agentrl.render(smol_tokenizer, agentrl.build_messages(g.task, TOOLS), TOOLS, True),
                               add_special_tokens=False).input_ids for g in groups]
     for group, ids in zip(groups, prompts):
         for traj in group.trajectories:
             assert traj.token_ids[:len(ids)] == ids and not any(traj.assistant_mask[:len(ids)])
-    assert stats["prompt_tokens"] == sum(map(len, prompts))
+    shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
+    question = smol_tokenizer(groups[0].task.question, add_special_tokens=False).input_ids
+    assert shared > len(prompts[0]) - len(question) - 8, "the shared prefix stops before the question"
+    n = len(groups[0].trajectories)
+    assert stats["prompt_tokens"] == shared + sum(n * (len(ids) - shared) for ids in prompts)
 
 
 def test_rollout_is_reproducible_from_seed(tiny_llama, smol_tokenizer):
@@ -193,8 +198,28 @@ def test_greedy_rows_agree(tiny_llama, smol_tokenizer):
     assert rows[3].token_ids == rows[4].token_ids
 
 
+def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer):
+    """With max_rows=3 the eight scripted rows decode at most three at a time, later rows joining
+    as others finish, and every trajectory is the one the full batch gives (greedy): same tokens,
+    the same log-probs to 1e-4, and those equal a fresh forward."""
+    widths = []
+    hook = tiny_llama.lm_head.register_forward_hook(lambda module, inputs, output: widths.append(len(output)))
+    try:
+        joined = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), max_rows=3)
+    finally:
+        hook.remove()
+    whole = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True))
+    assert max(widths) == 3                                # the prefix forward is one row, then never more than 3
+    for a, b in zip([t for g in joined for t in g.trajectories], [t for g in whole for t in g.trajectories]):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
+        torch.testing.assert_close(torch.tensor(a.sampled_logprobs), torch.tensor(b.sampled_logprobs), rtol=0, atol=1e-4)
+        fresh = full_forward_logprobs(tiny_llama, a.token_ids) * torch.tensor(a.assistant_mask)
+        torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
+
+
 def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
-    """An fp16 overflow in one row (nan logits in the third forward) ends that row with
+    """An fp16 overflow in one row (nan logits in the fourth forward: the shared prefix, the rest of
+    the prompt, then two decode steps) ends that row with
     stop_reason non_finite_logits and no nan in its log-probs, is counted, and changes nothing for
     the other rows: they match a clean run token for token."""
     def run(poison):
@@ -202,7 +227,7 @@ def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
 
         def nan_in_row_0(module, inputs, output):
             forwards.append(1)
-            if poison and len(forwards) == 3:
+            if poison and len(forwards) == 4:
                 output[0] = float("nan")
 
         hook = tiny_llama.lm_head.register_forward_hook(nan_in_row_0)
@@ -218,7 +243,7 @@ def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
     (clean, clean_stats), (poisoned, stats) = run(False), run(True)
     assert stats["non_finite_rows"] == 1 and clean_stats["non_finite_rows"] == 0
     assert poisoned[0].stop_reason == "non_finite_logits" and clean[0].stop_reason == "max_new_tokens"
-    assert sum(poisoned[0].assistant_mask) == 2                  # tokens from forwards 1 and 2, none from 3
+    assert sum(poisoned[0].assistant_mask) == 2                  # tokens from forwards 2 and 3, none from 4
     start = poisoned[0].assistant_mask.index(1)
     assert poisoned[0].token_ids[:start + 2] == clean[0].token_ids[:start + 2]
     assert all(math.isfinite(lp) for lp in poisoned[0].sampled_logprobs)
@@ -325,47 +350,59 @@ def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, demos, tiny_mo
 
 
 # ----------------------------------------------------------------------------- the KV cache
-def test_kv_cache_row_copy_growth_and_drop_equal_a_plain_forward(tiny_llama):
-    """KVCache through the model's forward: two ragged prompts (a hole in one), each copied into 2
-    rows, decoded past the preallocated capacity (so it grows), one row dropped midway. Every
-    row's logits equal a fresh forward over that row's real tokens."""
+def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
+    """KVCache through the engine's operations: three rows join from a one-row prefix cache and are
+    fed different rests of prompt (right-aligned, with holes), decode past the preallocated
+    capacity (so it grows), one row is dropped, a hole column is fed, the cache is packed (hole
+    columns cut), and a third row joins after the pack. Every row's logits equal a fresh forward
+    over that row's real tokens."""
     torch.manual_seed(0)
-    body, head = tiny_llama.base_model, tiny_llama.get_output_embeddings()
-    prompts = [[5, 9, 300, 41, 7, 88], [12, 13, 14]]
-    ids = torch.tensor([prompts[0], prompts[1] + [0, 0, 0]])
-    mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 0]])
-    cache = agentrl.KVCache(tiny_llama.config, capacity=8)
+    forward = agentrl._Forward(tiny_llama)
+    prefix_ids, rests = [5, 9, 300], [[41, 7, 88], [12], [6, 6]]
+    prefix, cache = agentrl.KVCache(tiny_llama.config), agentrl.KVCache(tiny_llama.config, capacity=8)
 
-    def forward(ids, mask):
-        positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -ids.shape[1]:]
-        hidden = body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
-                      past_key_values=cache).last_hidden_state
-        return head(hidden[:, -1])
+    def check(logits, rows, fed):
+        for b, row in enumerate(rows):
+            if fed[b]:
+                fresh = tiny_llama(input_ids=torch.tensor([row])).logits[0, -1]
+                torch.testing.assert_close(logits[b], fresh, rtol=1e-4, atol=1e-4)
 
     with torch.no_grad():
-        forward(ids, mask)
-        cache.batch_repeat_interleave(2)
-        mask = mask.repeat_interleave(2, dim=0)
-        rows = [list(p) for p in prompts for _ in range(2)]
+        forward(torch.tensor([prefix_ids]), torch.ones(1, 3, dtype=torch.long), prefix, -1)
+        cache.add_rows(prefix, 3)
+        rows = [prefix_ids + rest for rest in rests]
+        ids = torch.tensor([rests[0], [0, 0] + rests[1], [0] + rests[2]])
+        mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 1], [1, 1, 1, 0, 1, 1]])
+        check(forward(ids, mask, cache, -1), rows, [1, 1, 1])
         for step in range(12):
             new = torch.randint(0, 1000, (len(rows), 1))
-            if step == 5:                               # drop row 1; row 2 also gets a hole column
-                keep = torch.tensor([0, 2, 3])
+            if step == 3:                               # drop row 1
+                keep = torch.tensor([0, 2])
                 cache.batch_select_indices(keep)
                 mask, rows, new = mask[keep], [rows[i] for i in keep], new[keep]
             fed = torch.ones(len(rows), 1, dtype=torch.long)
-            if step == 7:
+            if step == 5:                               # a column of holes in every row
+                fed[:] = 0
+            if step == 6:                               # and one more in row 1 (which has one from its prompt)
                 fed[1] = 0
+            if step == 8:                               # pack: row 0 has one hole, so one column goes
+                order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :int(mask.sum(1).max())]
+                cache.pack(order, order.shape[1])
+                width = mask.shape[1]
+                mask = (torch.arange(order.shape[1]) < mask.sum(1)[:, None]).long()
+                assert width - mask.shape[1] == 1 and cache.get_seq_length() == mask.shape[1]
+            if step == 9:                               # a new row joins: the prefix, then holes
+                cache.add_rows(prefix, 1)
+                joined = (torch.arange(mask.shape[1]) < 3).long()[None]
+                mask, rows = torch.cat([mask, joined]), rows + [list(prefix_ids)]
+                new, fed = torch.cat([new, torch.tensor([[77]])]), torch.cat([fed, torch.ones(1, 1, dtype=torch.long)])
             mask = torch.cat([mask, fed], dim=1)
-            logits = forward(new, mask)
+            logits = forward(new, mask, cache, -1)
             for b, row in enumerate(rows):
                 if fed[b]:
                     row.append(int(new[b]))
-                    fresh = tiny_llama(input_ids=torch.tensor([row])).logits[0, -1]
-                    torch.testing.assert_close(logits[b], fresh, rtol=1e-4, atol=1e-4)
+            check(logits, rows, fed[:, 0])
     assert cache.layers[0].keys.shape[-2] >= mask.shape[1] > 8, "the cache grew past its first capacity"
-
-
 
 
 def test_demonstrations_count_what_they_show(smol_tokenizer):

@@ -54,6 +54,24 @@ def test_lora_disabled_is_the_base_model(tiny_llama):
     assert torch.equal(logits(tiny_llama), adapted) and not torch.allclose(adapted, base)
 
 
+def test_lora_merged_is_the_adapted_model_and_lets_go(tiny_llama):
+    """Inside lora_merged each layer runs one folded fp32 weight and computes what the LoRA forward
+    does (to rounding); lora_disabled still gives the base inside it; after it, the LoRA path and
+    no weight copy are back."""
+    base = logits(tiny_llama)
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    adapted = logits(tiny_llama)
+    layers = [m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear)]
+    with lora.lora_merged(tiny_llama):
+        assert all(m.merged is not None for m in layers)
+        torch.testing.assert_close(logits(tiny_llama), adapted, rtol=0, atol=1e-4)
+        with lora.lora_disabled(tiny_llama):
+            assert torch.equal(logits(tiny_llama), base)
+    assert all(m.merged is None for m in layers)
+    assert torch.equal(logits(tiny_llama), adapted) and not torch.allclose(adapted, base)
+
+
 def test_adapter_save_load_roundtrip_is_exact(tmp_path, tiny_model_factory):
     """Saving and loading into a fresh model gives bit-identical outputs."""
     model = tiny_model_factory("qwen2")
