@@ -224,8 +224,8 @@ def timed(fn, device):
 def forced_rollout(model, tokenizer, task, group, context, seed=0):
     """One group through agentrl's engine, every row decoded to exactly `context` tokens.
 
-    What runs is the rollout of train.py: the prompt encoded once, its KV cache copied into
-    `group` rows, then one forward per token for all rows, sampling from the (B, V) logits and
+    What runs is the rollout of train.py: the prompt's shared prefix encoded once, its KV cache
+    copied into `group` rows, then one forward per token for all rows, sampling from the (B, V) logits and
     recording log-probs. Only the token kept is forced (a long filler text, cut by the context
     limit): a random-weight model samples from a vocabulary the tokenizer cannot decode, and
     forcing makes every row exactly `context` tokens long. Returns (trajectories, engine stats)."""
