@@ -66,6 +66,7 @@ import time
 from dataclasses import dataclass, field
 
 import torch
+import torch.nn as nn
 from transformers.cache_utils import Cache, CacheLayerMixin
 
 import lora
@@ -342,7 +343,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                     cache.add_rows(prefix, len(joining))          # the prefix, then holes up to the cache's width
                     width = cache.get_seq_length()
                     new_mask = (torch.arange(width, device=model.device) < prefix_len).long().expand(len(joining), -1)
-                    mask = torch.cat([mask.new_zeros((0, width)) if not len(mask) else mask, new_mask])
+                    mask = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])), new_mask])   # holes to the width
                     active += joining
                 for r in active:
                     feed[r], rows[r].pending = rows[r].pending, []
@@ -376,11 +377,8 @@ def _pack_left(cache, mask):
     """Move each row's real columns to the left, in order, and cut the columns that are now holes in
     every row. A column's key already holds its position (rotary), and positions come from the mask
     (cumsum - 1), so no token's position or attention changes. Returns (the new mask, columns cut)."""
-    if not len(mask):                               # no rows: the next ones start an empty cache
-        cache.pack(None, 0)
-        return mask[:, :0], mask.shape[1]
     real = mask.sum(1)                                                              # (B,)
-    width = int(real.max())
+    width = int(real.max()) if len(mask) else 0     # no rows left: every column goes
     if width == mask.shape[1]:
         return mask, 0
     order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]            # (B, width): real columns first
@@ -731,9 +729,6 @@ class KVLayer(CacheLayerMixin):
 
     def pack(self, order, width):
         """Keep `width` columns, row b's taken from its columns order[b] (B, width), in that order."""
-        if order is None:
-            self.length = 0
-            return
         rows = torch.arange(len(order), device=order.device)[:, None]                # (B, 1)
         for name in ("keys", "values"):
             buf = getattr(self, name)

@@ -144,6 +144,10 @@ class LoRALinear(nn.Module):
         self.enabled = True
         self.merged = None      # W + scale * B A while `lora_merged` holds it: one matmul instead of three
 
+    def folded_weight(self) -> torch.Tensor:
+        """W + scale * B A, (out, in), in fp32: the layer as one plain weight."""
+        return torch.addmm(self.base_layer.weight.float(), self.lora_B.weight, self.lora_A.weight, alpha=self.scale)
+
     def forward(self, x):
         if not self.enabled:
             return self.base_layer(x)
@@ -209,7 +213,7 @@ class lora_merged:
         self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled
                        and m.base_layer.weight.dtype == torch.float32 and not (m.training and m.dropout.p)]
         for m in self.layers:
-            m.merged = torch.addmm(m.base_layer.weight, m.lora_B.weight, m.lora_A.weight, alpha=m.scale)
+            m.merged = m.folded_weight()
         return self.model
 
     def __exit__(self, *exc):
@@ -277,8 +281,7 @@ def merge_adapter(model):
         for name, child in list(module.named_children()):
             if isinstance(child, LoRALinear):
                 base = child.base_layer
-                delta = child.scale * (child.lora_B.weight @ child.lora_A.weight)   # (out, in) fp32
-                base.weight.copy_((base.weight.float() + delta).to(base.weight.dtype))
+                base.weight.copy_(child.folded_weight().to(base.weight.dtype))
                 setattr(module, name, base)
     return model
 

@@ -198,18 +198,20 @@ def test_greedy_rows_agree(tiny_llama, smol_tokenizer):
     assert rows[3].token_ids == rows[4].token_ids
 
 
-def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer):
+@pytest.mark.parametrize("max_rows", [1, 3])
+def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer, max_rows):
     """With max_rows=3 the eight scripted rows decode at most three at a time, later rows joining
-    as others finish, and every trajectory is the one the full batch gives (greedy): same tokens,
-    the same log-probs to 1e-4, and those equal a fresh forward."""
+    as others finish (with 1, every row starts from an emptied cache), and every trajectory is the
+    one the full batch gives (greedy): same tokens, the same log-probs to 1e-4, and those equal a
+    fresh forward."""
     widths = []
     hook = tiny_llama.lm_head.register_forward_hook(lambda module, inputs, output: widths.append(len(output)))
     try:
-        joined = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), max_rows=3)
+        joined = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), max_rows=max_rows)
     finally:
         hook.remove()
     whole = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True))
-    assert max(widths) == 3                                # the prefix forward is one row, then never more than 3
+    assert max(widths) == max_rows                         # the prefix forward is one row, then never more
     for a, b in zip([t for g in joined for t in g.trajectories], [t for g in whole for t in g.trajectories]):
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), torch.tensor(b.sampled_logprobs), rtol=0, atol=1e-4)
