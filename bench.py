@@ -1,11 +1,12 @@
 """Benchmarks that back every performance claim in the README.
 
     python bench.py rollout   # our KV-cache-reusing rollout engine vs re-tokenize + generate()
-    python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache
+    python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache; fp32 vs bf16 keys and values
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py judge-server   # the --judge http path against llama.cpp's server (if installed)
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
-    python bench.py update    # one SFT step: the lm_head at trained positions only, one sequence at a time
+    python bench.py update    # one SFT step: lm_head at trained positions, one sequence at a time, the prompt once
+    python bench.py update --variants trained-mb1,prefix-mb1   # any benchmark with variants: a subset, first = baseline
     python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: continuous batching vs batches
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
@@ -17,7 +18,6 @@ Each benchmark measures the baseline and ours in the same run and prints them si
 with the ratio: the machines are shared and noisy, so only ratios are worth quoting.
 """
 import argparse
-import inspect
 import json
 import math
 import os
@@ -153,7 +153,7 @@ def bench_cache(args):
     B, rounds, per_round = 16, 6, 3
     model, _ = lora.load_model()
     body = model.base_model
-    cache_arg = "cache" if "cache" in inspect.signature(body.forward).parameters else "past_key_values"
+    cache_arg = lora.cache_keyword(body)
     print(f"decode step: {lora.EMBEDDED_NAME}, batch {B}, {model.dtype}, {torch.get_num_threads()} threads, "
           f"median of {rounds} x {per_round} steps each, the two caches alternating")
     print(f"{'context':>8}{'DynamicCache ms':>17}{'KVCache ms':>12}{'ratio':>8}")
@@ -178,6 +178,38 @@ def bench_cache(args):
                         times[name].append(time.perf_counter() - t0)
         dynamic, ours = statistics.median(times["dynamic"]), statistics.median(times["ours"])
         print(f"{context:>8}{1e3 * dynamic:>17.1f}{1e3 * ours:>12.1f}{dynamic / ours:>7.2f}x")
+    bench_kv_dtype(model.config, B, g)
+
+
+def bench_kv_dtype(config, B, g, repeats=5):
+    """Keys and values stored in bf16 instead of fp32 halve the bytes attention reads per decode
+    step; whether that pays depends on this CPU's bf16 attention kernel. Timed here: SDPA of one
+    step's one-token queries over every layer's keys and values (the model's head counts, GQA),
+    fp32 against bf16, the mean of `repeats` steps after a warm-up, and the largest difference
+    of the outputs (random inputs; the model would also cast queries and outputs)."""
+    heads, kv_heads = config.num_attention_heads, config.num_key_value_heads
+    dim, layers = config.hidden_size // heads, config.num_hidden_layers
+    print(f"\nattention of one decode step, {layers} layers, keys and values stored as fp32 or bf16")
+    print(f"{'context':>8}{'fp32 ms':>10}{'bf16 ms':>10}{'bf16 speed':>12}{'max |diff|':>12}")
+    for context in (256, 768, 1536):
+        q = torch.randn(B, heads, 1, dim, generator=g)
+        kv = [(torch.randn(B, kv_heads, context, dim, generator=g), torch.randn(B, kv_heads, context, dim, generator=g))
+              for _ in range(layers)]
+        seconds, outputs = {}, {}
+        for dtype in (torch.float32, torch.bfloat16):
+            stored = [(k.to(dtype), v.to(dtype)) for k, v in kv]
+            query = q.to(dtype)
+
+            def step():
+                return [torch.nn.functional.scaled_dot_product_attention(query, k, v, enable_gqa=True) for k, v in stored]
+            step()
+            t0 = time.perf_counter()
+            for _ in range(repeats):
+                outputs[dtype] = step()
+            seconds[dtype] = (time.perf_counter() - t0) / repeats
+        diff = max((a - b.float()).abs().max().item() for a, b in zip(outputs[torch.float32], outputs[torch.bfloat16]))
+        fp32, bf16 = seconds[torch.float32], seconds[torch.bfloat16]
+        print(f"{context:>8}{1e3 * fp32:>10.1f}{1e3 * bf16:>10.1f}{fp32 / bf16:>11.2f}x{diff:>12.1e}")
 
 
 # ---------------------------------------------------------------- judge (judge.py)
@@ -337,6 +369,15 @@ def in_fresh_process(argv, variant):
     return json.loads(out.strip().splitlines()[-1])
 
 
+def chosen_variants(args, variants):
+    """--variants a,b: those of `variants`, in that order (the first is the baseline); default: all."""
+    names = args.variants.split(",") if args.variants else list(variants)
+    unknown = [name for name in names if name not in variants]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(variants)}")
+    return names
+
+
 def resident_bytes(field):
     """This process's resident memory from /proc/self/status: VmRSS (now) or VmHWM (the peak)."""
     with open("/proc/self/status") as f:
@@ -433,34 +474,36 @@ def bench_memory(args):
 
 
 # ---------------------------------------------------------------- update (grpo.py)
-UPDATE_VARIANTS = {"all-mb4": ("every position", 4), "trained-mb4": ("trained positions", 4),
-                   "trained-mb1": ("trained positions", 1)}
+UPDATE_VARIANTS = {"all-mb4": ("every position", 4, False), "trained-mb4": ("trained positions", 4, False),
+                   "trained-mb1": ("trained positions", 1, False), "prefix-mb1": ("trained positions", 1, True)}
 
 
 def bench_update(args):
-    """One supervised step on 4 `look` demonstrations of the embedded data, three ways: the lm_head
+    """One supervised step on 4 `look` demonstrations of the embedded data, four ways: the lm_head
     at every position in micro-batches of 4 (the earlier code), at trained positions only
-    (grpo.token_logprobs' positions=), and that one sequence at a time (the CPU default now).
+    (grpo.token_logprobs' positions=), that one sequence at a time, and that with the prompt the
+    four share forwarded once (grpo.SharedPrefix; the default now, in SFT and GRPO steps alike).
     Each variant in a fresh process (as bench_memory: VmHWM above the resident set just before the
     steps); time is the mean of 3 steps after a warm-up, on the same demonstrations in every variant.
     """
     variant = os.environ.get(CHILD_VARIANT)
     if variant is None:
-        results = {v: in_fresh_process(["update", "--seed", str(args.seed)], v) for v in UPDATE_VARIANTS}
-        base = results["all-mb4"]
+        results = {v: in_fresh_process(["update", "--seed", str(args.seed)], v)
+                   for v in chosen_variants(args, UPDATE_VARIANTS)}
+        base = next(iter(results.values()))   # the first variant measured is the baseline
         print(f"\none SFT step, {base['batch']} | {base['device']}")
-        print(f"{'lm_head at':<20}{'micro-batch':>12}{'time':>9}{'vs earlier':>12}{'peak above baseline':>22}")
-        for v, (positions, mbs) in UPDATE_VARIANTS.items():
-            r = results[v]
-            print(f"{positions:<20}{mbs:>12}{r['seconds']:>8.1f}s{base['seconds'] / r['seconds']:>11.2f}x"
-                  f"{r['peak_gib']:>18.2f} GiB")
+        print(f"{'lm_head at':<20}{'micro-batch':>12}{'prompt':>14}{'time':>9}{'vs earlier':>12}{'peak above baseline':>22}")
+        for v, r in results.items():
+            positions, mbs, shared = UPDATE_VARIANTS[v]
+            print(f"{positions:<20}{mbs:>12}{'once' if shared else 'per sequence':>14}{r['seconds']:>8.1f}s"
+                  f"{base['seconds'] / r['seconds']:>11.2f}x{r['peak_gib']:>18.2f} GiB")
         return
 
     import agentrl
     import grpo
     import lora
     import sql_env
-    positions, mbs = UPDATE_VARIANTS[variant]
+    positions, mbs, shared = UPDATE_VARIANTS[variant]
     model, tokenizer = lora.load_model()
     lora.apply_lora(model, r=16)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
@@ -469,9 +512,9 @@ def bench_update(args):
     batches = [[agentrl.demonstration(tokenizer, t, "look", limits) for t in tasks[i:i + 4]] for i in range(0, 16, 4)]
     if positions == "every position":          # the earlier path: log-probs everywhere, the mask applied after
         masked = grpo.token_logprobs
-        grpo.token_logprobs = lambda model, ids, attention, chunk_size=512, positions=None: masked(model, ids, attention,
-                                                                                                    chunk_size)
-    config, scaler = grpo.GRPOConfig(micro_batch_size=mbs), torch.amp.GradScaler("cpu", enabled=False)
+        grpo.token_logprobs = lambda model, ids, attention, chunk_size=512, positions=None, prefix=None: masked(
+            model, ids, attention, chunk_size, None, prefix)
+    config, scaler = grpo.GRPOConfig(micro_batch_size=mbs, shared_prefix=shared), torch.amp.GradScaler("cpu", enabled=False)
     grpo.sft_step(model, optimizer, batches[0], config, scaler)          # warm-up
     reset_resident_peak()
     base = resident_bytes("VmRSS")
@@ -499,11 +542,11 @@ def bench_eval(args):
     variant = os.environ.get(CHILD_VARIANT)
     if variant is None:
         argv = ["eval", "--split", args.split, "--tasks", str(args.tasks), *(["--adapter", args.adapter] if args.adapter else [])]
-        results = {v: in_fresh_process(argv, v) for v in EVAL_VARIANTS}
-        base = results["batches-32"]
+        results = {v: in_fresh_process(argv, v) for v in chosen_variants(args, EVAL_VARIANTS)}
+        base = next(iter(results.values()))   # the first variant measured is the baseline
         print(f"\ngreedy evaluation of {base['tasks']} {args.split} tasks, {args.adapter or 'the base model'}, "
               f"{base['limits']} | {base['device']}")
-        print(f"{'variant':<16}{'time':>9}{'tasks/min':>11}{'vs batches':>12}{'rows/forward':>14}{'forwards':>10}"
+        print(f"{'variant':<16}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
               f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}")
         for v, r in results.items():
             same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
@@ -781,6 +824,8 @@ def main():
     parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time)")
     parser.add_argument("--pass-tasks", type=int, default=24, help="learn: test tasks for the start's pass@k (0: skip)")
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
+    parser.add_argument("--variants", default=None,
+                        help="update, eval: a comma-separated subset of the variants (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
     if train_flags and args.which not in ("learn", "scale"):

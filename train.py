@@ -141,7 +141,8 @@ def parse_args(argv=None):
     g.add_argument("--no-std-scaling", action="store_true", help="advantages not divided by the group std (Dr. GRPO)")
     g.add_argument("--clip-low", type=float, default=0.2, help="ratio clip below 1 - clip_low")
     g.add_argument("--clip-high", type=float, default=0.28, help="ratio clip above 1 + clip_high (DAPO clip-higher)")
-    g.add_argument("--kl-coef", type=float, default=0.0, help="k3 KL penalty to the base model (LoRA off)")
+    g.add_argument("--kl-coef", type=float, default=0.0,
+                   help="k3 KL penalty to the policy RL started from (after the warm start, or --adapter)")
     g.add_argument("--max-grad-norm", type=float, default=1.0, help="gradient clipping")
     g.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 1,
                    help="sequences per forward/backward (on CPU one at a time was faster, and 2.5x leaner, than 4)")
@@ -347,14 +348,20 @@ def behaviour(trajectories):
     }
 
 
-def evaluate(model, tokenizer, tasks, limits, max_rows=32):
+def evaluate(model, tokenizer, tasks, limits, max_rows=32, path=None):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters. All tasks go through one engine call, `max_rows` episodes at a
-    time, a finished episode's place taken by the next task (continuous batching)."""
+    time, a finished episode's place taken by the next task (continuous batching). path: a
+    .jsonl file to write every episode to, to read what the agent did on each held-out task."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
     groups = agentrl.rollout_groups(model, tokenizer, mine, 1, agentrl.Sampling(greedy=True), limits, max_rows=max_rows)
     trajectories = [g.trajectories[0] for g in groups]
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
+    if path and parallel.is_main():
+        write_text_atomic(path, "".join(json.dumps({
+            "task_id": task.id, "difficulty": task.difficulty, "question": task.question, "gold_sql": task.gold_sql,
+            "submitted_sql": t.submitted_sql, "correct": t.correct, "stop_reason": t.stop_reason,
+            "messages": t.messages}) + "\n" for task, t in zip(tasks, trajectories)))
     by_tier = {}
     for task, t in zip(tasks, trajectories):
         by_tier.setdefault(task.difficulty, []).append(t.correct)
@@ -371,13 +378,15 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=32):
     }
 
 
-def evaluate_splits(model, tokenizer, eval_sets, limits):
+def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None):
     """One evaluation record for every held-out split: the first split's metrics under the eval_*
     keys every reader knows (plot, summary, bench.py learn), each other split's under its own name
-    (eval_accuracy -> test_schema_accuracy), and eval_split naming the first."""
+    (eval_accuracy -> test_schema_accuracy), and eval_split naming the first. With run_dir, the
+    episodes go to run_dir/evals/<label>_<split>.jsonl."""
     record = {}
     for i, (split, tasks) in enumerate(eval_sets.items()):
-        metrics = evaluate(model, tokenizer, tasks, limits)
+        path = os.path.join(run_dir, "evals", f"{label}_{split}.jsonl") if run_dir else None
+        metrics = evaluate(model, tokenizer, tasks, limits, path=path)
         record.update(metrics if i == 0 else {split + k[len("eval"):]: v for k, v in metrics.items()})
     return {"eval_split": next(iter(eval_sets)), **record}
 
@@ -522,15 +531,23 @@ def run_process(args, device):
 
     # 3) resume, or evaluate the starting point (then warm start, and checkpoint step 0); under
     #    torchrun every process then takes rank 0's adapter, optimizer and sampler state
-    start_step, task_stats = 0, {"tiers": {}, "tasks": {}}
+    #    The adapter RL starts from is kept in --out/start: the KL term's reference (--kl-coef)
+    start_step, task_stats, start_state = 0, {"tiers": {}, "tasks": {}}, None
+    start_folder = os.path.join(args.out, "start")
     if args.resume and parallel.is_main():
         start_step, task_stats, folder = load_checkpoint(args.out, model, optimizer, scaler)
         truncate_metrics(metrics_path, start_step)
+        start_state = lora.lora_state(model, start_folder) if args.kl_coef > 0 else None
         print(f"resumed from {folder} at step {start_step}")
     elif not args.resume:
         start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, precision)
         save_checkpoint(args.out, model, optimizer, scaler, 0, task_stats)
-    start_step, task_stats = parallel.share_state(model, optimizer, scaler, (start_step, task_stats))
+        if parallel.is_main():
+            lora.save_adapter(model, start_folder)
+        start_state = lora.lora_state(model) if args.kl_coef > 0 else None
+    start_step, task_stats, start_state = parallel.share_state(model, optimizer, scaler, (start_step, task_stats, start_state))
+    if start_state:     # through share_state on the CPU: back onto this process's device
+        start_state = [t.to(device) for t in start_state]
     world, rank = parallel.world_size(), parallel.rank()
     if world > 1 and (args.update != "grpo" or args.epochs * args.minibatches > 1):
         raise SystemExit("under torchrun, --update grpo with --epochs 1 --minibatches 1 only (so far)")
@@ -559,7 +576,7 @@ def run_process(args, device):
 
         # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
         #    whole step's tokens and the gradients are summed over the processes (parallel.py)
-        reference = lora.lora_disabled(model) if args.kl_coef > 0 else None  # the KL reference: LoRA off
+        reference = lora.lora_weights(model, start_state) if args.kl_coef > 0 else None  # the KL reference
         if args.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
             correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
             stats = (grpo.sft_step(model, optimizer, correct, config, scaler) if correct
@@ -595,7 +612,7 @@ def run_process(args, device):
 
         # 7) evaluate and checkpoint
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            record = evaluate_splits(model, tokenizer, eval_sets, limits)
+            record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{step:04d}")
             append_jsonl(metrics_path, {"step": step, **record})
             tqdm.write(f"eval step {step}:\n{format_evals(record, args.eval_splits)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
@@ -607,7 +624,7 @@ def run_process(args, device):
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < args.steps:
-        record = evaluate_splits(model, tokenizer, eval_sets, limits)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{args.steps:04d}")
         append_jsonl(metrics_path, {"step": args.steps, **record})
     if not parallel.is_main():   # rank 0 saves the adapter and reports
         return None
@@ -629,12 +646,13 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         write_text_atomic(metrics_path, "")
         write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
     if args.start_eval:
-        record = evaluate_splits(model, tokenizer, eval_sets, limits)
-        append_jsonl(metrics_path, {"step": 0, "phase": "start" if args.adapter else "base", **record})
+        phase = "start" if args.adapter else "base"
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase)
+        append_jsonl(metrics_path, {"step": 0, "phase": phase, **record})
         print(f"eval step 0 ({args.adapter or 'base model'}):\n{format_evals(record, args.eval_splits)}")
     if args.sft_steps:
         warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
-        record = evaluate_splits(model, tokenizer, eval_sets, limits)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft")
         append_jsonl(metrics_path, {"step": 0, "phase": "sft", **record})
         print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 

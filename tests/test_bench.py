@@ -37,3 +37,12 @@ def test_paired_difference_needs_the_same_tasks():
 ])
 def test_pass_at_k(n, c, k, expected):
     assert bench.pass_at_k(n, c, k) == pytest.approx(expected)
+
+
+def test_chosen_variants_keep_the_order_asked_and_refuse_unknown_names():
+    from types import SimpleNamespace
+    variants = {"a": 1, "b": 2, "c": 3}
+    assert bench.chosen_variants(SimpleNamespace(variants=None), variants) == ["a", "b", "c"]
+    assert bench.chosen_variants(SimpleNamespace(variants="c,a"), variants) == ["c", "a"]
+    with pytest.raises(SystemExit, match="unknown"):
+        bench.chosen_variants(SimpleNamespace(variants="a,z"), variants)

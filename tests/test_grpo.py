@@ -246,6 +246,79 @@ def test_micro_batch_accumulation_equals_one_big_batch(aggregation):
             torch.testing.assert_close(p.detach(), want, rtol=1e-4, atol=1e-6)
 
 
+def shared_prompt_trajectories(n=6, seed=0):
+    """Trajectories as a step has them: one long prompt in common (the system prompt), a question
+    of their own, then sampled tokens. Trajectories 0 and 1 share their question too (one group)."""
+    g = torch.Generator().manual_seed(seed)
+    system = torch.randint(0, VOCAB, (12,), generator=g).tolist()
+    out = []
+    for i, t in enumerate(trajectories(n, seed)):
+        question = [5, 6, 7] if i < 2 else [8 + i, 9]
+        t.token_ids = system + question + t.token_ids
+        t.assistant_mask = [0] * (len(system) + len(question)) + t.assistant_mask
+        t.sampled_logprobs = [0.0] * (len(system) + len(question)) + t.sampled_logprobs
+        out.append(t)
+    return out
+
+
+def test_shared_prefix_length_stops_at_the_first_difference_or_before_the_first_trained_token():
+    one = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 6], assistant_mask=[0, 0, 0, 0, 1, 1])
+    same_prompt = SimpleNamespace(token_ids=[1, 2, 3, 4, 5, 7], assistant_mask=[0, 0, 0, 0, 1, 1])
+    other = SimpleNamespace(token_ids=[1, 2, 9, 4, 5, 6], assistant_mask=[0, 0, 0, 0, 0, 1])
+    assert grpo.shared_prefix_length([one]) == 3              # position 3 predicts the first trained token
+    assert grpo.shared_prefix_length([one, same_prompt]) == 3
+    assert grpo.shared_prefix_length([one, same_prompt, other]) == 2
+    trajs = shared_prompt_trajectories(6)
+    assert grpo.shared_prefix_length(trajs) == 12 and grpo.shared_prefix_length(trajs[:2]) == 15   # their own tokens differ from there
+
+
+@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+@pytest.mark.parametrize("mbs", [1, 4])
+def test_a_shared_prefix_gives_the_update_of_forwarding_every_sequence_whole(mbs, kl_coef):
+    """The step's common prompt forwarded once (grpo.SharedPrefix) and its gradient carried back
+    after the micro-batches: the same loss, KL and update as policy_loss on the whole sequences."""
+    trajs = shared_prompt_trajectories(6)
+    model, params = tiny_model()
+    perturb_lora(params)
+    b = grpo._collate(trajs, ADVANTAGES, torch.device("cpu"))
+    model.train()
+    logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    with torch.no_grad(), lora.lora_disabled(model):
+        refs = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    loss, want = grpo.policy_loss(logps, b["old_logprobs"], b["advantages"], b["mask"], kl_coef=kl_coef,
+                                  ref_logprobs=refs)
+    grads = torch.autograd.grad(loss, params)
+    expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
+
+    model, params = tiny_model()
+    perturb_lora(params)
+    config = grpo.GRPOConfig(micro_batch_size=mbs, kl_coef=kl_coef, max_grad_norm=1e9)
+    stats = step(model, params, config, trajs=trajs, reference_context=lora.lora_disabled(model))
+    assert stats["loss"] == pytest.approx(loss.item(), rel=1e-4)
+    assert stats["kl"] == (None if kl_coef == 0 else pytest.approx(want["kl"], rel=1e-4))
+    for want_p, p in zip(expected, params):
+        torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
+
+
+def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences():
+    trajs = shared_prompt_trajectories(4)
+    model, params = tiny_model()
+    perturb_lora(params)
+    b = grpo._collate(trajs, [0.0] * 4, torch.device("cpu"))
+    model.train()
+    logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    loss = -(logps * b["mask"]).sum() / b["mask"].sum()
+    grads = torch.autograd.grad(loss, params)
+    expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
+    model, params = tiny_model()
+    perturb_lora(params)
+    stats = grpo.sft_step(model, torch.optim.SGD(params, lr=0.1), trajs,
+                          grpo.GRPOConfig(micro_batch_size=1, max_grad_norm=1e9), NO_SCALER)
+    assert stats["sft_loss"] == pytest.approx(loss.item(), rel=1e-4)
+    for want_p, p in zip(expected, params):
+        torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
+
+
 def test_trajectories_without_signal_are_not_forwarded_unless_kl():
     """A = 0 or no trained token: no gradient without KL, so no forward; with KL, A = 0 still pulls."""
     model, params = tiny_model()

@@ -288,3 +288,23 @@ def test_find_adapter_takes_a_run_folder(tmp_path, tiny_llama):
     lora.save_adapter(tiny_llama, tmp_path / "run" / "final")
     assert lora.find_adapter(tmp_path / "run") == tmp_path / "run" / "final"
     assert lora.find_adapter(tmp_path / "run" / "final") == tmp_path / "run" / "final"
+
+
+def test_lora_weights_runs_the_saved_adapter_and_gives_the_live_one_back(tiny_llama, tmp_path):
+    """The KL reference after a warm start: the adapter as it was, swapped in and out, re-entrant;
+    the same tensors whether copied from the model or read back from a saved adapter."""
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    start_logits = logits(tiny_llama)
+    lora.save_adapter(tiny_llama, tmp_path / "start")
+    state = lora.lora_state(tiny_llama)
+    assert all(torch.equal(a, b) for a, b in zip(state, lora.lora_state(tiny_llama, tmp_path / "start")))
+    _perturb(tiny_llama, seed=2)
+    moved_logits, live = logits(tiny_llama), lora.lora_state(tiny_llama)
+    assert not torch.allclose(moved_logits, start_logits)
+    reference = lora.lora_weights(tiny_llama, state)
+    for _ in range(2):
+        with reference:
+            assert torch.equal(logits(tiny_llama), start_logits)
+        assert torch.equal(logits(tiny_llama), moved_logits)
+    assert all(torch.equal(a, b) for a, b in zip(live, lora.lora_state(tiny_llama)))

@@ -156,7 +156,9 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
     stats = grpo.grpo_step(model, optimizer, batch, advantages, config, torch.amp.GradScaler("cpu", enabled=False))
     assert not stats["skipped"] and stats["loss"] == pytest.approx(steps[1]["loss"], abs=1e-6)
     for ours, theirs in zip(lora.lora_parameters(model), record[0]["lora"], strict=True):
-        torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=1e-6)   # measured: 6e-8 apart
+        # measured: 4e-6 apart at most (each process forwards the prompt its own groups share once,
+        # grpo.SharedPrefix, so the sums run in another order; 6e-8 without it); the move is > 1e-3
+        torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=2e-5)
     moved = max((a - b).abs().max().item() for a, b in zip(record[0]["lora"], before))
     assert moved > 1e-3, "step 2 must move the adapter, or the comparison shows nothing"
 

@@ -259,18 +259,28 @@ def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_di
 
 
 def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
-    """--sft-steps trains on gold demonstrations first, saves them as their own adapter and as the
-    step-0 checkpoint (so RL, and a resume, start from it), and evaluates before and after."""
+    """--sft-steps trains on gold demonstrations first, saves them as their own adapter, as the
+    step-0 checkpoint and as start/ (so RL, and a resume, start from it), and evaluates before and
+    after. The KL term's reference is that start, not the base model: at the first step the policy
+    is the reference (KL exactly 0); after it, and after a resume, it has moved away."""
     out = tmp_path / "run"
-    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--sft-steps", "2", "--sft-batch-size", "2",
-                         "--max-new-tokens", "130", "--max-turns", "4"))
+    args = ["--sft-steps", "2", "--sft-batch-size", "2", "--max-new-tokens", "130", "--max-turns", "4", "--kl-coef", "0.1"]
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *args))
     records = [json.loads(line) for line in open(out / "metrics.jsonl")]
     assert [r["sft_step"] for r in records if "sft_step" in r] == [1, 2]
     assert all(r["sft_loss"] > 0 and not r["skipped"] and r["sft_dropped"] == 0 for r in records if "sft_step" in r)
     assert [r.get("phase") for r in records if "eval_accuracy" in r] == ["base", "sft", None]
-    sft_b = [v for k, v in adapter_tensors(out / "sft").items() if "lora_B" in k]
-    assert any(v.abs().max() > 0 for v in sft_b), "SFT must move the adapter"
+    sft = adapter_tensors(out / "sft")
+    assert any(v.abs().max() > 0 for k, v in sft.items() if "lora_B" in k), "SFT must move the adapter"
     assert (out / "checkpoints" / "step_0000" / "adapter_model.safetensors").exists()
+    assert all(torch.equal(v, sft[k]) for k, v in adapter_tensors(out / "start").items())
+    for label in ("base", "sft", "step_0001"):     # every evaluation's episodes, one line per held-out task
+        for split in ("test", "test_schema"):
+            episodes = [json.loads(line) for line in open(out / "evals" / f"{label}_{split}.jsonl")]
+            assert len(episodes) == 2 and all(e["messages"] and e["task_id"] for e in episodes)
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", *args))
+    kl = [json.loads(line)["kl"] for line in open(out / "metrics.jsonl") if "reward_mean" in line]
+    assert kl[0] == 0.0 and kl[1] > 0, kl
 
 
 def test_warm_start_with_no_fitting_demonstration_is_a_clear_error(tiny_model_dir, tmp_path):
