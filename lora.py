@@ -241,7 +241,7 @@ def lora_state(model, folder=None) -> list[torch.Tensor]:
         return [p.detach().clone() for p in lora_parameters(model)]
     tensors = load_file(str(Path(folder) / "adapter_model.safetensors"))
     device = lora_parameters(model)[0].device
-    return [tensors[f"base_model.model.{name}.lora_{ab}.weight"].to(device) for name in _lora_layers(model) for ab in "AB"]
+    return [tensors[adapter_key(name, ab)].to(device) for name in _lora_layers(model) for ab in "AB"]
 
 
 class lora_merged:
@@ -267,6 +267,11 @@ class lora_merged:
             m.merged = None
 
 
+def adapter_key(module_name, ab) -> str:
+    """peft's key for a LoRA layer's A or B in adapter_model.safetensors."""
+    return f"base_model.model.{module_name}.lora_{ab}.weight"
+
+
 def _lora_layers(model) -> dict[str, LoRALinear]:
     return {name: m for name, m in model.named_modules() if isinstance(m, LoRALinear)}
 
@@ -281,8 +286,8 @@ def save_adapter(model, folder):
     first = next(iter(layers.values()))
     tensors = {}
     for name, m in layers.items():
-        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.weight.detach().cpu().contiguous()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.weight.detach().cpu().contiguous()
+        tensors[adapter_key(name, "A")] = m.lora_A.weight.detach().cpu().contiguous()
+        tensors[adapter_key(name, "B")] = m.lora_B.weight.detach().cpu().contiguous()
     config = {"peft_type": "LORA", "task_type": "CAUSAL_LM", "r": first.r, "lora_alpha": first.alpha,
               "lora_dropout": first.dropout.p, "bias": "none", "fan_in_fan_out": False,
               "target_modules": sorted({name.rsplit(".", 1)[-1] for name in layers}),
@@ -307,7 +312,7 @@ def load_adapter(model, folder):
                    tuple(config["target_modules"]))
     tensors = load_file(str(folder / "adapter_model.safetensors"))
     layers = _lora_layers(model)
-    expected = {f"base_model.model.{n}.lora_{ab}.weight" for n in layers for ab in "AB"}
+    expected = {adapter_key(n, ab) for n in layers for ab in "AB"}
     missing, unexpected = expected - set(tensors), set(tensors) - expected
     assert not missing and not unexpected, (f"{folder}: adapter does not match the model's LoRA layers "
                                             f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
@@ -316,8 +321,8 @@ def load_adapter(model, folder):
             assert m.r == config["r"], f"{folder}: adapter r={config['r']} but the model's LoRA has r={m.r}"
             m.alpha, m.scale = config["lora_alpha"], config["lora_alpha"] / config["r"]   # the adapter's, saved again
             m.dropout.p = config.get("lora_dropout", 0.0)
-            m.lora_A.weight.copy_(tensors[f"base_model.model.{name}.lora_A.weight"])
-            m.lora_B.weight.copy_(tensors[f"base_model.model.{name}.lora_B.weight"])
+            m.lora_A.weight.copy_(tensors[adapter_key(name, "A")])
+            m.lora_B.weight.copy_(tensors[adapter_key(name, "B")])
 
 
 @torch.no_grad()

@@ -358,10 +358,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=32, path=None):
     trajectories = [g.trajectories[0] for g in groups]
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
     if path and parallel.is_main():
-        write_text_atomic(path, "".join(json.dumps({
-            "task_id": task.id, "difficulty": task.difficulty, "question": task.question, "gold_sql": task.gold_sql,
-            "submitted_sql": t.submitted_sql, "correct": t.correct, "stop_reason": t.stop_reason,
-            "messages": t.messages}) + "\n" for task, t in zip(tasks, trajectories)))
+        write_text_atomic(path, "".join(json.dumps(episode_record(task, t)) + "\n" for task, t in zip(tasks, trajectories)))
     by_tier = {}
     for task, t in zip(tasks, trajectories):
         by_tier.setdefault(task.difficulty, []).append(t.correct)
@@ -711,6 +708,13 @@ def step_record(step, groups, rewards, counts, stats, **extra):
     }
 
 
+def episode_record(task, t):
+    """One episode as the run folder keeps it (trajectories/, evals/): the task, what was
+    submitted, whether it was right, why it ended, and the conversation."""
+    return {"task_id": task.id, "difficulty": task.difficulty, "question": task.question, "gold_sql": task.gold_sql,
+            "submitted_sql": t.submitted_sql, "correct": t.correct, "stop_reason": t.stop_reason, "messages": t.messages}
+
+
 def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
     """trajectories/step_XXXX.jsonl: every conversation of the step with its reward, judgement and
     advantage. trained: {id(trajectory): advantage} for the trajectories the update trained on;
@@ -720,15 +724,12 @@ def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
         return
     lines, trained = [], trained or {}
     for g, (group, group_rewards, result) in enumerate(zip(groups, rewards, results)):
-        task = group.task
         for i, t in enumerate(group.trajectories):
             lines.append(json.dumps({
-                "step": step, "group": g, "task_id": task.id, "difficulty": task.difficulty,
-                "question": task.question, "gold_sql": task.gold_sql, "submitted_sql": t.submitted_sql, "correct": t.correct,
+                "step": step, "group": g, **episode_record(group.task, t),
                 "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
                 "judge_explanation": result.explanations[i] if result.explanations else "",
-                "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled,
-                "stop_reason": t.stop_reason, "messages": t.messages}) + "\n")
+                "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled}) + "\n")
     write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
 
 
