@@ -50,7 +50,7 @@ Deliberate simplifications, and why they are safe:
 - The KV cache is our own (`KVCache`, at the end of this file): transformers' DynamicCache grows
   by torch.cat, so every decode step allocates a new tensor per layer and copies the whole past
   into it (one more read and write of the entire cache per token). KVCache preallocates, writes
-  only the new columns, and doubles its capacity when full; it still goes through the model's own
+  only the new columns, and grows GROW_COLUMNS at a time when full; it still goes through the model's own
   forward and attention. It holds full-attention layers only (Llama, Qwen2, SmolLM2).
 - Logits are projected for one column per row only (the lm_head runs on those hidden states):
   full-vocabulary logits are never materialized for a whole prompt or tool result.

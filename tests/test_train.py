@@ -326,3 +326,7 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     assert train.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
     out = capsys.readouterr().out
     assert "  test:        accuracy=" in out and "  test_schema: accuracy=" in out and "failed_submit_rate=" in out
+    kept = json.load(open(tmp_path / "r" / "eval_only.json"))               # the last evaluation's record, to pair
+    assert kept["eval_outcomes"] == both["eval_outcomes"] and kept["test_schema_outcomes"] == both["test_schema_outcomes"]
+    episodes = [json.loads(line) for line in open(tmp_path / "r" / "evals" / "eval_only_test_schema.jsonl")]
+    assert "".join("1" if e["correct"] else "0" for e in episodes) == both["test_schema_outcomes"]
