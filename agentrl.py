@@ -685,7 +685,7 @@ class KVLayer(CacheLayerMixin):
         GROW_COLUMNS at a time, not by doubling: the copy of the whole cache then comes once every
         256 decode steps (it costs under half of one step's time, so about 0.2% of them), and at most
         256 columns stand empty, where doubling could leave nearly half of the cache unused (the
-        evaluation's 32 rows x 1,000 columns of fp32 keys and values are 1.5 GB)."""
+        evaluation's 16 rows x 2,000 columns of fp32 keys and values are 1.5 GB)."""
         allocated, capacity = self.keys.shape[0], self.keys.shape[-2]
         if rows <= allocated and columns <= capacity:
             return
