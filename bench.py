@@ -10,6 +10,7 @@
     python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: continuous batching vs batches
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
+    python bench.py pair runs/sft96_full runs/grpo_full   # two evaluations task by task: the difference, its interval
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
     python bench.py scale     # train.py steps per minute on 1 process and on 2 (torchrun), rollout vs update
@@ -620,6 +621,65 @@ def headroom(adapter, tasks, k, seed, limits):
     return (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
 
 
+def split_outcomes(record) -> dict:
+    """{split: {task id: 0 or 1}} of an evaluation record (train.evaluate_splits: eval_* keys for the
+    first split, SPLIT_* for the others)."""
+    import train
+    splits = [record["eval_split"]] + [k[:-len("_task_ids")] for k in record
+                                       if k.endswith("_task_ids") and k != "eval_task_ids"]
+    return {split: dict(zip(m["eval_task_ids"], map(int, m["eval_outcomes"])))
+            for split in splits for m in [train.split_metrics(record, split)]}
+
+
+def paired_line(before, after) -> str:
+    """Two evaluations' outcomes ({task id: 0/1}) compared on the tasks both ran, as one line."""
+    tasks = [t for t in before if t in after]
+    if not tasks:
+        raise SystemExit("the two evaluations share no task: nothing to pair")
+    b, a = [before[t] for t in tasks], [after[t] for t in tasks]
+    mean, (low, high), p = paired_difference(b, a)
+    gained, lost = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
+    return (f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: {100 * mean:+.1f} points "
+            f"[{100 * low:+.1f}, {100 * high:+.1f}], McNemar p={p:.3f}, {gained} gained, {lost} lost")
+
+
+def evaluation_record(path) -> dict:
+    """The evaluation a path names: an --eval-only folder (its eval_only.json), a run folder (the
+    last evaluation in its metrics.jsonl), or either file itself."""
+    if os.path.isdir(path):
+        only = os.path.join(path, "eval_only.json")
+        path = only if os.path.isfile(only) else os.path.join(path, "metrics.jsonl")
+    if not os.path.isfile(path):
+        raise SystemExit(f"{path}: no evaluation there (an --eval-only folder, a run folder or its metrics.jsonl)")
+    records = [r for r in map(json.loads, open(path)) if "eval_outcomes" in r]
+    if not records:
+        raise SystemExit(f"{path}: no evaluation with per-task outcomes in it")
+    return records[-1]
+
+
+def bench_pair(args):
+    """Two evaluations compared task by task on every split they share: accuracies, the paired
+    difference with its 95% interval and McNemar's p, questions gained and lost, failed submissions.
+    Each is a run folder (its last evaluation) or an --eval-only folder; an evaluation of a subset
+    pairs with a whole-split one on the tasks they share."""
+    import train
+    if len(args.paths) != 2:
+        raise SystemExit("bench.py pair BEFORE AFTER: two evaluations (run or --eval-only folders)")
+    before, after = map(evaluation_record, args.paths)
+    outcomes = [split_outcomes(before), split_outcomes(after)]
+    shared = [split for split in outcomes[0] if split in outcomes[1]]
+    if not shared:
+        raise SystemExit(f"no split evaluated in both: {sorted(outcomes[0])} and {sorted(outcomes[1])}")
+    print(f"before: {args.paths[0]}\nafter:  {args.paths[1]}")
+    for split in shared:
+        metrics = [train.split_metrics(r, split) for r in (before, after)]
+        same = metrics[0]["eval_task_ids"] == metrics[1]["eval_task_ids"]   # else each rate is of its own tasks
+        failed = " -> ".join("-" if m.get("eval_failed_submit_rate") is None else
+                             f"{m['eval_failed_submit_rate']:.2f}" + ("" if same else f" ({m['eval_tasks']} tasks)")
+                             for m in metrics)
+        print(f"  {split}: {paired_line(outcomes[0][split], outcomes[1][split])} | failed submissions {failed}")
+
+
 def bench_learn(args):
     """What does RL add over its own start, and over the controls? Held-out splits, greedy, paired.
 
@@ -708,14 +768,12 @@ def bench_learn(args):
     grpo_name, rft_name = list(arm_flags)
     comparisons = [(grpo_name, "SFT start"), (grpo_name, rft_name), (grpo_name, control), (rft_name, "SFT start"),
                    (control, "SFT start")]
-    print("paired differences (points, 95% paired-bootstrap interval, McNemar p):")
+    outcomes = {name: split_outcomes(record) for name, record in finals.items()}
+    print("paired differences (B -> A accuracy, A - B in points, 95% paired-bootstrap interval, McNemar p):")
     for split in splits:
         for a, b in comparisons:
-            ta, tb = per_split[a][split], per_split[b][split]
-            assert ta["eval_task_ids"] == tb["eval_task_ids"], "arms evaluated on different tasks"
-            mean, (low, high), p = paired_difference([int(c) for c in tb["eval_outcomes"]],
-                                                     [int(c) for c in ta["eval_outcomes"]])
-            print(f"  {split:<12} {a} - {b}: {100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}]  p={p:.3f}")
+            assert per_split[a][split]["eval_task_ids"] == per_split[b][split]["eval_task_ids"], "arms evaluated on different tasks"
+            print(f"  {split:<12} {a} - {b}: {paired_line(outcomes[b][split], outcomes[a][split])}")
 
     # 4) the signal GRPO had: mixed groups, several steps per batch, how far the policy moved
     def mean(key, rows):
@@ -810,7 +868,8 @@ def bench_gpu(args):
 
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "scale"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "pair", "scale"])
+    parser.add_argument("paths", nargs="*", help="pair: two evaluations, before and after (run or --eval-only folders)")
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
@@ -832,7 +891,7 @@ def main():
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
     args.train_flags = train_flags  # learn, scale: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
     benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "judge-server": bench_judge_server,
-               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "scale": bench_scale}
+               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "pair": bench_pair, "scale": bench_scale}
     benches[args.which](args)
 
 

@@ -46,3 +46,48 @@ def test_chosen_variants_keep_the_order_asked_and_refuse_unknown_names():
     assert bench.chosen_variants(SimpleNamespace(variants="c,a"), variants) == ["c", "a"]
     with pytest.raises(SystemExit, match="unknown"):
         bench.chosen_variants(SimpleNamespace(variants="a,z"), variants)
+
+
+def _evaluation(step, outcomes_by_split):
+    """An evaluation record as train.evaluate_splits writes it: eval_* for the first split, SPLIT_* after."""
+    record = {"step": step, "eval_split": next(iter(outcomes_by_split))}
+    for i, (split, outcomes) in enumerate(outcomes_by_split.items()):
+        prefix = "eval" if i == 0 else split
+        ids = [f"{split}-{k:03d}" for k in range(len(outcomes))]
+        record.update({f"{prefix}_task_ids": ids, f"{prefix}_outcomes": outcomes, f"{prefix}_tasks": len(ids),
+                       f"{prefix}_accuracy": outcomes.count("1") / len(ids), f"{prefix}_failed_submit_rate": 0.5})
+    return record
+
+
+def test_pair_compares_the_last_evaluation_of_a_run_with_an_eval_only_folder(tmp_path, capsys):
+    """The run's last evaluation (not its first, not a step record) against an --eval-only record
+    of a subset: paired on the 10 tasks both ran, on the one split both have."""
+    import json
+    from types import SimpleNamespace
+    run, only = tmp_path / "run", tmp_path / "only"
+    run.mkdir(), only.mkdir()
+    lines = [_evaluation(0, {"test": "0" * 20, "test_schema": "0" * 20}), {"step": 1, "reward_mean": 0.5},
+             _evaluation(1, {"test": "1" * 4 + "0" * 16, "test_schema": "1" * 20})]
+    (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
+    (only / "eval_only.json").write_text(json.dumps({"adapter": "x", **_evaluation(0, {"test": "1" * 10})}) + "\n")
+    bench.bench_pair(SimpleNamespace(paths=[str(run), str(only)]))
+    out = capsys.readouterr().out
+    # before: 4 of the shared 10 solved; after: all 10, so 6 gained, none lost, +60 points, p = 2 / 2^6
+    assert "test: 0.400 -> 1.000 on 10 tasks: +60.0 points" in out and "6 gained, 0 lost" in out
+    assert f"p={2 / 64:.3f}" in out and "test_schema" not in out
+    assert "(20 tasks)" in out and "(10 tasks)" in out      # failed-submission rates are each of their own tasks
+
+
+def test_pair_refuses_what_it_cannot_pair(tmp_path):
+    import json
+    from types import SimpleNamespace
+    a, b = tmp_path / "a", tmp_path / "b"
+    a.mkdir(), b.mkdir()
+    (a / "eval_only.json").write_text(json.dumps(_evaluation(0, {"test": "01"})) + "\n")
+    (b / "eval_only.json").write_text(json.dumps(_evaluation(0, {"dev": "01"})) + "\n")
+    with pytest.raises(SystemExit, match="no split evaluated in both"):
+        bench.bench_pair(SimpleNamespace(paths=[str(a), str(b)]))
+    with pytest.raises(SystemExit, match="no evaluation there"):
+        bench.bench_pair(SimpleNamespace(paths=[str(a), str(tmp_path / "missing")]))
+    with pytest.raises(SystemExit, match="two evaluations"):
+        bench.bench_pair(SimpleNamespace(paths=[str(a)]))
