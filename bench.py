@@ -23,6 +23,7 @@ import json
 import math
 import os
 import random
+import re
 import subprocess
 import sys
 import time
@@ -585,23 +586,38 @@ def bench_eval(args):
 
 
 # ---------------------------------------------------------------- learn (train.py)
-def paired_difference(before, after, resamples=10_000, seed=0):
+def paired_difference(before, after, resamples=10_000, seed=0, clusters=None):
     """How much `after` beats `before` on the same tasks: per-task outcomes (0/1, paired by position).
 
     Returns (mean difference, 95% interval, McNemar p). The interval is the paired bootstrap's:
     resample tasks with replacement, keeping each task's two outcomes together, and take the
     2.5th and 97.5th percentiles of the mean difference. McNemar's exact test looks only at the
     discordant tasks (solved by one, not the other): under "no difference" each is a fair coin.
+    Both treat tasks as independent draws. Questions made from one template are not: they are
+    gained or lost together. clusters, a label per task (its template), makes the bootstrap
+    resample whole clusters instead, so the interval speaks for new templates, not new values.
     """
     assert len(before) == len(after) > 0, "paired outcomes: the same tasks, in the same order"
     diffs = np.array(after, dtype=float) - np.array(before, dtype=float)   # (n,) each in {-1, 0, 1}
     rng = np.random.default_rng(seed)
-    means = diffs[rng.integers(0, len(diffs), (resamples, len(diffs)))].mean(1)   # (resamples,)
+    if clusters is None:
+        means = diffs[rng.integers(0, len(diffs), (resamples, len(diffs)))].mean(1)   # (resamples,)
+    else:
+        assert len(clusters) == len(diffs), "one cluster label per task"
+        index = np.unique(np.asarray(clusters), return_inverse=True)[1].ravel()    # (n,) each task's cluster
+        sums, sizes = np.bincount(index, weights=diffs), np.bincount(index)      # (C,) per cluster
+        pick = rng.integers(0, len(sums), (resamples, len(sums)))                # C clusters drawn, with replacement
+        means = sums[pick].sum(1) / sizes[pick].sum(1)                           # the mean over their tasks
     low, high = np.percentile(means, [2.5, 97.5])
     gained, lost = int((diffs > 0).sum()), int((diffs < 0).sum())
     n, k = gained + lost, min(gained, lost)
     p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
     return float(diffs.mean()), (float(low), float(high)), p
+
+
+def query_template(sql) -> str:
+    """A gold query with its literal values replaced by ?: the template questions made from it share."""
+    return re.sub(r"'(?:[^']|'')*'|\b\d+(?:\.\d+)?\b", "?", sql)
 
 
 def pass_at_k(n, c, k):
@@ -631,16 +647,27 @@ def split_outcomes(record) -> dict:
             for split in splits for m in [train.split_metrics(record, split)]}
 
 
-def paired_line(before, after) -> str:
-    """Two evaluations' outcomes ({task id: 0/1}) compared on the tasks both ran, as one line."""
+def paired_line(before, after, templates=None) -> str:
+    """Two evaluations' outcomes ({task id: 0/1}) compared on the tasks both ran, as one line;
+    with templates ({task id: its query template}), the interval by template as well."""
     tasks = [t for t in before if t in after]
     if not tasks:
         raise SystemExit("the two evaluations share no task: nothing to pair")
     b, a = [before[t] for t in tasks], [after[t] for t in tasks]
     mean, (low, high), p = paired_difference(b, a)
     gained, lost = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
-    return (f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: {100 * mean:+.1f} points "
-            f"[{100 * low:+.1f}, {100 * high:+.1f}], McNemar p={p:.3f}, {gained} gained, {lost} lost")
+    line = f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: {100 * mean:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}]"
+    if templates:
+        labels = [templates[t] for t in tasks]
+        _, (low, high), _ = paired_difference(b, a, clusters=labels)
+        line += f" by task, [{100 * low:+.1f}, {100 * high:+.1f}] by template ({len(set(labels))} templates)"
+    return line + f", McNemar p={p:.3f}, {gained} gained, {lost} lost"
+
+
+def task_templates(data, split) -> dict:
+    """{task id: query template} of a split (tasks without gold SQL have none)."""
+    import sql_env
+    return {task.id: query_template(task.gold_sql) for task in sql_env.load_tasks(data, split) if task.gold_sql}
 
 
 def evaluation_record(path) -> dict:
@@ -654,6 +681,9 @@ def evaluation_record(path) -> dict:
     records = [r for r in map(json.loads, open(path)) if "eval_outcomes" in r]
     if not records:
         raise SystemExit(f"{path}: no evaluation with per-task outcomes in it")
+    config = os.path.join(os.path.dirname(path), "config.json")     # a run's: the data it ran on
+    if "data" not in records[-1] and os.path.isfile(config):
+        records[-1]["data"] = json.load(open(config))["data"]
     return records[-1]
 
 
@@ -661,11 +691,16 @@ def bench_pair(args):
     """Two evaluations compared task by task on every split they share: accuracies, the paired
     difference with its 95% interval and McNemar's p, questions gained and lost, failed submissions.
     Each is a run folder (its last evaluation) or an --eval-only folder; an evaluation of a subset
-    pairs with a whole-split one on the tasks they share."""
+    pairs with a whole-split one on the tasks they share. The interval is given twice: with tasks
+    as independent draws, and by query template (the data's gold SQL tells the templates), which
+    is what a claim about new kinds of questions needs."""
     import train
     if len(args.paths) != 2:
         raise SystemExit("bench.py pair BEFORE AFTER: two evaluations (run or --eval-only folders)")
     before, after = map(evaluation_record, args.paths)
+    data = before.get("data", "default")     # train.py's default: the embedded set
+    if after.get("data", "default") != data:
+        raise SystemExit(f"the evaluations ran on different data: {data} and {after.get('data', 'default')}")
     outcomes = [split_outcomes(before), split_outcomes(after)]
     shared = [split for split in outcomes[0] if split in outcomes[1]]
     if not shared:
@@ -677,7 +712,11 @@ def bench_pair(args):
         failed = " -> ".join("-" if m.get("eval_failed_submit_rate") is None else
                              f"{m['eval_failed_submit_rate']:.2f}" + ("" if same else f" ({m['eval_tasks']} tasks)")
                              for m in metrics)
-        print(f"  {split}: {paired_line(outcomes[0][split], outcomes[1][split])} | failed submissions {failed}")
+        templates = task_templates(data, split)
+        unknown = [t for t in outcomes[0][split] if t in outcomes[1][split] and t not in templates]
+        if unknown:
+            raise SystemExit(f"{split}: task {unknown[0]} has no gold query in the data {data!r}")
+        print(f"  {split}: {paired_line(outcomes[0][split], outcomes[1][split], templates)} | failed submissions {failed}")
 
 
 def bench_learn(args):
@@ -769,11 +808,13 @@ def bench_learn(args):
     comparisons = [(grpo_name, "SFT start"), (grpo_name, rft_name), (grpo_name, control), (rft_name, "SFT start"),
                    (control, "SFT start")]
     outcomes = {name: split_outcomes(record) for name, record in finals.items()}
-    print("paired differences (B -> A accuracy, A - B in points, 95% paired-bootstrap interval, McNemar p):")
+    data = json.load(open(os.path.join(out, "sft", "config.json")))["data"]
+    print("paired differences (B -> A accuracy, A - B in points, 95% paired-bootstrap intervals, McNemar p):")
     for split in splits:
+        templates = task_templates(data, split)
         for a, b in comparisons:
             assert per_split[a][split]["eval_task_ids"] == per_split[b][split]["eval_task_ids"], "arms evaluated on different tasks"
-            print(f"  {split:<12} {a} - {b}: {paired_line(outcomes[b][split], outcomes[a][split])}")
+            print(f"  {split:<12} {a} - {b}: {paired_line(outcomes[b][split], outcomes[a][split], templates)}")
 
     # 4) the signal GRPO had: mixed groups, several steps per batch, how far the policy moved
     def mean(key, rows):

@@ -516,7 +516,7 @@ def run_process(args, device):
     if args.eval_only:      # the record (per-task outcomes: pair it with another) and every episode stay in --out
         record = evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=args.out, label="eval_only")
         if parallel.is_main():
-            write_text_atomic(os.path.join(args.out, "eval_only.json"), json.dumps({"adapter": args.adapter, **record}) + "\n")
+            write_text_atomic(os.path.join(args.out, "eval_only.json"), json.dumps({"adapter": args.adapter, "data": args.data, **record}) + "\n")
         print(f"eval on {args.data}:\n{format_evals(record, args.eval_splits)}\nrecord and episodes: {args.out}")
         return record
     train_tasks = sql_env.load_tasks(args.data, args.train_split)

@@ -48,45 +48,79 @@ def test_chosen_variants_keep_the_order_asked_and_refuse_unknown_names():
         bench.chosen_variants(SimpleNamespace(variants="a,z"), variants)
 
 
-def _evaluation(step, outcomes_by_split):
+def test_a_cluster_bootstrap_widens_the_interval_of_gains_from_one_template():
+    """10 templates of 10 questions. All 10 gains in one template: tasks as independent draws say
+    +10 points, clearly above 0; resampling templates leaves that one out of about a third of the
+    draws (0.9^10), so the interval reaches 0. One gain in each template: every draw of templates
+    gives exactly +10, an interval narrower than the tasks'."""
+    templates = [f"t{k // 10}" for k in range(100)]
+    before = [0] * 100
+    one = [1] * 10 + [0] * 90
+    _, (low, high), _ = bench.paired_difference(before, one)
+    assert 0.03 < low < 0.10 < high
+    mean, (low, high), _ = bench.paired_difference(before, one, clusters=templates)
+    assert mean == pytest.approx(0.10) and low == 0.0 and high > 0.2
+    spread = [1 if k % 10 == 0 else 0 for k in range(100)]
+    _, (low, high), _ = bench.paired_difference(before, spread, clusters=templates)
+    assert low == pytest.approx(0.10) and high == pytest.approx(0.10)
+
+
+def test_query_template_keeps_the_query_and_blanks_its_values():
+    one = "SELECT COUNT(*) FROM orders WHERE city = 'Lyon' AND total > 180.5 AND name = 'O''Brien'"
+    other = "SELECT COUNT(*) FROM orders WHERE city = 'Paris' AND total > 80 AND name = 'Smith'"
+    assert bench.query_template(one) == bench.query_template(other) == \
+        "SELECT COUNT(*) FROM orders WHERE city = ? AND total > ? AND name = ?"
+    assert bench.query_template("SELECT t2.x FROM t2") == "SELECT t2.x FROM t2"    # names keep their digits
+
+
+def _evaluation(step, outcomes_by_split, ids_by_split):
     """An evaluation record as train.evaluate_splits writes it: eval_* for the first split, SPLIT_* after."""
     record = {"step": step, "eval_split": next(iter(outcomes_by_split))}
     for i, (split, outcomes) in enumerate(outcomes_by_split.items()):
         prefix = "eval" if i == 0 else split
-        ids = [f"{split}-{k:03d}" for k in range(len(outcomes))]
+        ids = ids_by_split[split][:len(outcomes)]
         record.update({f"{prefix}_task_ids": ids, f"{prefix}_outcomes": outcomes, f"{prefix}_tasks": len(ids),
                        f"{prefix}_accuracy": outcomes.count("1") / len(ids), f"{prefix}_failed_submit_rate": 0.5})
     return record
 
 
-def test_pair_compares_the_last_evaluation_of_a_run_with_an_eval_only_folder(tmp_path, capsys):
+def test_pair_compares_the_last_evaluation_of_a_run_with_an_eval_only_folder(splits, tmp_path, capsys):
     """The run's last evaluation (not its first, not a step record) against an --eval-only record
     of a subset: paired on the 10 tasks both ran, on the one split both have."""
     import json
     from types import SimpleNamespace
+    ids = {split: [t.id for t in tasks] for split, tasks in splits.items()}
     run, only = tmp_path / "run", tmp_path / "only"
     run.mkdir(), only.mkdir()
-    lines = [_evaluation(0, {"test": "0" * 20, "test_schema": "0" * 20}), {"step": 1, "reward_mean": 0.5},
-             _evaluation(1, {"test": "1" * 4 + "0" * 16, "test_schema": "1" * 20})]
+    lines = [_evaluation(0, {"test": "0" * 20, "test_schema": "0" * 20}, ids), {"step": 1, "reward_mean": 0.5},
+             _evaluation(1, {"test": "1" * 4 + "0" * 16, "test_schema": "1" * 20}, ids)]
     (run / "metrics.jsonl").write_text("".join(json.dumps(r) + "\n" for r in lines))
-    (only / "eval_only.json").write_text(json.dumps({"adapter": "x", **_evaluation(0, {"test": "1" * 10})}) + "\n")
+    (run / "config.json").write_text(json.dumps({"data": "default"}))
+    (only / "eval_only.json").write_text(json.dumps({"adapter": "x", "data": "default",
+                                                     **_evaluation(0, {"test": "1" * 10}, ids)}) + "\n")
     bench.bench_pair(SimpleNamespace(paths=[str(run), str(only)]))
     out = capsys.readouterr().out
     # before: 4 of the shared 10 solved; after: all 10, so 6 gained, none lost, +60 points, p = 2 / 2^6
     assert "test: 0.400 -> 1.000 on 10 tasks: +60.0 points" in out and "6 gained, 0 lost" in out
+    templates = len({bench.query_template(t.gold_sql) for t in splits["test"][:10]})
+    assert f"by template ({templates} templates)" in out
     assert f"p={2 / 64:.3f}" in out and "test_schema" not in out
     assert "(20 tasks)" in out and "(10 tasks)" in out      # failed-submission rates are each of their own tasks
 
 
-def test_pair_refuses_what_it_cannot_pair(tmp_path):
+def test_pair_refuses_what_it_cannot_pair(splits, tmp_path):
     import json
     from types import SimpleNamespace
-    a, b = tmp_path / "a", tmp_path / "b"
-    a.mkdir(), b.mkdir()
-    (a / "eval_only.json").write_text(json.dumps(_evaluation(0, {"test": "01"})) + "\n")
-    (b / "eval_only.json").write_text(json.dumps(_evaluation(0, {"dev": "01"})) + "\n")
+    ids = {split: [t.id for t in tasks] for split, tasks in splits.items()}
+    a, b, c = tmp_path / "a", tmp_path / "b", tmp_path / "c"
+    for folder, record in ((a, _evaluation(0, {"test": "01"}, ids)), (b, _evaluation(0, {"test_schema": "01"}, ids)),
+                           (c, {"data": "elsewhere", **_evaluation(0, {"test": "01"}, ids)})):
+        folder.mkdir()
+        (folder / "eval_only.json").write_text(json.dumps(record) + "\n")
     with pytest.raises(SystemExit, match="no split evaluated in both"):
         bench.bench_pair(SimpleNamespace(paths=[str(a), str(b)]))
+    with pytest.raises(SystemExit, match="different data"):
+        bench.bench_pair(SimpleNamespace(paths=[str(a), str(c)]))
     with pytest.raises(SystemExit, match="no evaluation there"):
         bench.bench_pair(SimpleNamespace(paths=[str(a), str(tmp_path / "missing")]))
     with pytest.raises(SystemExit, match="two evaluations"):

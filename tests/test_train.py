@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import bench
 import train
 
 
@@ -328,5 +329,7 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     assert "  test:        accuracy=" in out and "  test_schema: accuracy=" in out and "failed_submit_rate=" in out
     kept = json.load(open(tmp_path / "r" / "eval_only.json"))               # the last evaluation's record, to pair
     assert kept["eval_outcomes"] == both["eval_outcomes"] and kept["test_schema_outcomes"] == both["test_schema_outcomes"]
+    bench.bench_pair(SimpleNamespace(paths=[str(tmp_path / "r")] * 2))     # the data it names has these tasks' templates
+    assert capsys.readouterr().out.count("+0.0 points [+0.0, +0.0] by task, [+0.0, +0.0] by template") == 2
     episodes = [json.loads(line) for line in open(tmp_path / "r" / "evals" / "eval_only_test_schema.jsonl")]
     assert "".join("1" if e["correct"] else "0" for e in episodes) == both["test_schema_outcomes"]
