@@ -1,6 +1,6 @@
 """Benchmarks that back every performance claim in the README.
 
-    python bench.py rollout   # our KV-cache-reusing rollout engine vs re-tokenize + generate()
+    python bench.py rollout   # our KV-cache-reusing rollout engine vs re-tokenize + generate(); the floor; where the time goes
     python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache; fp32 vs bf16 keys and values
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py judge-server   # the --judge http path against llama.cpp's server (if installed)
@@ -11,6 +11,7 @@
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
     python bench.py pair runs/sft96_full runs/grpo_full   # two evaluations task by task: the difference, its interval
+    python bench.py pair runs/sft runs/grpo_s0 runs/grpo_s1   # several seeds of an arm: each, and their mean
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
     python bench.py scale     # train.py steps per minute on 1 process and on 2 (torchrun), rollout vs update
@@ -103,19 +104,43 @@ def bench_rollout(args):
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
-    floor_s, bandwidth, flops = rollout_floor(model, stats)
+    floors, bandwidth, flops = rollout_floor(model, stats)
     print(f"floor: this machine, measured now: {bandwidth / 1e9:.1f} GB/s (a 1 GiB copy), {flops / 1e9:.0f} GFLOP/s "
-          f"(a 2048^2 fp32 matmul); the forwards' bytes and FLOPs need at least {floor_s:.1f} s, they took "
-          f"{stats['forward_s']:.1f} s: ours is {stats['forward_s'] / floor_s:.1f}x the floor")
+          f"(a 2048^2 fp32 matmul); the forwards' bytes and FLOPs need at least {floors['all']:.1f} s, they took "
+          f"{stats['forward_s']:.1f} s: ours is {stats['forward_s'] / floors['all']:.1f}x the floor")
+
+    # what stands between: the same rollout again (same seed, so the same tokens) under the profiler
+    profiled = {}
+    parts = profiled_seconds(lambda: agentrl.rollout_groups(model, tokenizer, tasks, n, sampling, limits, stats=profiled),
+                             {"weight matmuls": "aten::linear", "attention": "aten::scaled_dot_product_attention"})
+    parts["the rest"] = profiled["forward_s"] - sum(parts.values())
+    print(f"where the forwards' time goes: the same rollout under torch.profiler, {profiled['forward_s']:.1f} s in "
+          f"forwards ({profiled['forward_s'] / stats['forward_s']:.2f}x the unprofiled: the profiler's cost lands in the rest)")
+    for name, what in (("weight matmuls", "aten::linear: every projection, the lm_head"),
+                       ("attention", "scaled_dot_product_attention over the whole cache"),
+                       ("the rest", "norms, rotary, masks, cache writes, Python")):
+        floor = f"floor {floors[name]:5.1f} s {parts[name] / floors[name]:6.1f}x" if name in floors else ""
+        print(f"  {name:16}{parts[name]:6.1f} s {100 * parts[name] / profiled['forward_s']:4.0f}%   {floor:20} {what}")
+
+
+def profiled_seconds(run, ops) -> dict:
+    """run() once under torch.profiler; {name: seconds inside op} for each (name, aten op) of ops,
+    counting what the op calls (an attention's own matmuls and softmax are attention's)."""
+    from torch.profiler import ProfilerActivity, profile
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        run()
+    inclusive = {event.key: event.cpu_time_total / 1e6 for event in prof.key_averages()}   # microseconds -> s
+    return {name: inclusive.get(op, 0.0) for name, op in ops.items()}
 
 
 def rollout_floor(model, stats):
     """The least time the rollout's forward passes could take on this machine: the larger of (bytes
     they must read / memory bandwidth) and (their FLOPs / matmul throughput), both measured here.
-    Bytes: the matmul weights once per forward, plus every KV column each forward attends (holes too).
-    FLOPs: 2 per weight per fed token (the lm_head once per row), plus attention's 4 * layers *
-    heads * head_dim per query-key pair. Totals over the rollout, so a little under the sum of
-    per-step floors. Returns (floor seconds, bytes/s, FLOP/s)."""
+    Weight matmuls read the weights once per forward and do 2 FLOPs per weight per fed token (the
+    lm_head once per row); attention reads every KV column each forward attends (holes too) and does
+    4 * layers * heads * head_dim FLOPs per query-key pair. Totals over the rollout, so a little
+    under the sum of per-step floors. Returns ({"weight matmuls", "attention", "all": floor seconds},
+    bytes/s, FLOP/s)."""
     src = torch.empty(2**28)                                    # 1 GiB of fp32
     dst = torch.empty_like(src)
     dst.copy_(src)
@@ -135,10 +160,14 @@ def rollout_floor(model, stats):
     head = model.get_output_embeddings().weight.numel()
     layers = weights - head - (0 if c.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     kv_column = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4   # fp32 K and V of one token
-    bytes_read = stats["forwards"] * (layers + head) * 4 + stats["cache_columns"] * kv_column   # the lookup table is not read whole
-    work = (2 * layers * stats["fed_columns"] + 2 * head * stats["logit_rows"]
-            + 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * stats["query_key_pairs"])
-    return max(bytes_read / bandwidth, work / flops), bandwidth, flops
+    matmul_bytes = stats["forwards"] * (layers + head) * 4    # the lookup table is not read whole
+    matmul_work = 2 * layers * stats["fed_columns"] + 2 * head * stats["logit_rows"]
+    attention_bytes = stats["cache_columns"] * kv_column
+    attention_work = 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * stats["query_key_pairs"]
+    floors = {"weight matmuls": max(matmul_bytes / bandwidth, matmul_work / flops),
+              "attention": max(attention_bytes / bandwidth, attention_work / flops),
+              "all": max((matmul_bytes + attention_bytes) / bandwidth, (matmul_work + attention_work) / flops)}
+    return floors, bandwidth, flops
 
 
 # ---------------------------------------------------------------- KV cache (agentrl.KVCache)
@@ -687,36 +716,58 @@ def evaluation_record(path) -> dict:
     return records[-1]
 
 
+def runs_line(before, afters, templates) -> str:
+    """Several runs of one arm (seeds) against the same start, as one line: each task's outcome
+    averaged over the runs, paired with the start on the tasks all ran, by task and by template.
+    The interval resamples tasks (templates) for these runs; how far one seed moves the result is
+    the spread of the runs' own differences, printed beside it (a few seeds cannot give it an interval)."""
+    tasks = [t for t in before if all(t in after for after in afters)]
+    b = [before[t] for t in tasks]
+    mean_after = [sum(after[t] for after in afters) / len(afters) for t in tasks]   # each in [0, 1]
+    mean, (low, high), _ = paired_difference(b, mean_after)
+    _, (t_low, t_high), _ = paired_difference(b, mean_after, clusters=[templates[t] for t in tasks])
+    each = [100 * (sum(after[t] for t in tasks) - sum(b)) / len(tasks) for after in afters]
+    return (f"mean of {len(afters)} runs: {sum(b) / len(tasks):.3f} -> {sum(mean_after) / len(tasks):.3f} on "
+            f"{len(tasks)} tasks: {100 * mean:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}] by task, "
+            f"[{100 * t_low:+.1f}, {100 * t_high:+.1f}] by template | the runs: "
+            f"{', '.join(f'{d:+.1f}' for d in each)} (spread {max(each) - min(each):.1f})")
+
+
 def bench_pair(args):
-    """Two evaluations compared task by task on every split they share: accuracies, the paired
-    difference with its 95% interval and McNemar's p, questions gained and lost, failed submissions.
-    Each is a run folder (its last evaluation) or an --eval-only folder; an evaluation of a subset
-    pairs with a whole-split one on the tasks they share. The interval is given twice: with tasks
-    as independent draws, and by query template (the data's gold SQL tells the templates), which
-    is what a claim about new kinds of questions needs."""
+    """Evaluations compared task by task with the first (BEFORE) on every split they all share:
+    accuracies, the paired difference with its 95% interval and McNemar's p, questions gained and
+    lost, failed submissions. Each is a run folder (its last evaluation) or an --eval-only folder;
+    an evaluation of a subset pairs with a whole-split one on the tasks they share. The interval
+    is given twice: with tasks as independent draws, and by query template (the data's gold SQL
+    tells the templates), which is what a claim about new kinds of questions needs. Several AFTERs
+    (seeds of one arm) add a line for their mean (runs_line)."""
     import train
-    if len(args.paths) != 2:
-        raise SystemExit("bench.py pair BEFORE AFTER: two evaluations (run or --eval-only folders)")
-    before, after = map(evaluation_record, args.paths)
-    data = before.get("data", "default")     # train.py's default: the embedded set
-    if after.get("data", "default") != data:
-        raise SystemExit(f"the evaluations ran on different data: {data} and {after.get('data', 'default')}")
-    outcomes = [split_outcomes(before), split_outcomes(after)]
-    shared = [split for split in outcomes[0] if split in outcomes[1]]
+    if len(args.paths) < 2:
+        raise SystemExit("bench.py pair BEFORE AFTER [AFTER ...]: two evaluations or more (run or --eval-only folders)")
+    records = [evaluation_record(path) for path in args.paths]
+    data = records[0].get("data", "default")     # train.py's default: the embedded set
+    for path, record in zip(args.paths[1:], records[1:]):
+        if record.get("data", "default") != data:
+            raise SystemExit(f"the evaluations ran on different data: {data} and {record.get('data', 'default')} ({path})")
+    outcomes = [split_outcomes(r) for r in records]
+    shared = [split for split in outcomes[0] if all(split in o for o in outcomes[1:])]
     if not shared:
-        raise SystemExit(f"no split evaluated in both: {sorted(outcomes[0])} and {sorted(outcomes[1])}")
-    print(f"before: {args.paths[0]}\nafter:  {args.paths[1]}")
+        raise SystemExit(f"no split evaluated in all: {' and '.join(str(sorted(o)) for o in outcomes)}")
+    print(f"before: {args.paths[0]}\n" + "".join(f"after:  {path}\n" for path in args.paths[1:]), end="")
     for split in shared:
-        metrics = [train.split_metrics(r, split) for r in (before, after)]
-        same = metrics[0]["eval_task_ids"] == metrics[1]["eval_task_ids"]   # else each rate is of its own tasks
-        failed = " -> ".join("-" if m.get("eval_failed_submit_rate") is None else
-                             f"{m['eval_failed_submit_rate']:.2f}" + ("" if same else f" ({m['eval_tasks']} tasks)")
-                             for m in metrics)
+        metrics = [train.split_metrics(r, split) for r in records]
         templates = task_templates(data, split)
-        unknown = [t for t in outcomes[0][split] if t in outcomes[1][split] and t not in templates]
+        unknown = [t for o in outcomes[1:] for t in o[split] if t in outcomes[0][split] and t not in templates]
         if unknown:
             raise SystemExit(f"{split}: task {unknown[0]} has no gold query in the data {data!r}")
-        print(f"  {split}: {paired_line(outcomes[0][split], outcomes[1][split], templates)} | failed submissions {failed}")
+        for after, m_after in zip(outcomes[1:], metrics[1:]):
+            same = metrics[0]["eval_task_ids"] == m_after["eval_task_ids"]   # else each rate is of its own tasks
+            failed = " -> ".join("-" if m.get("eval_failed_submit_rate") is None else
+                                 f"{m['eval_failed_submit_rate']:.2f}" + ("" if same else f" ({m['eval_tasks']} tasks)")
+                                 for m in (metrics[0], m_after))
+            print(f"  {split}: {paired_line(outcomes[0][split], after[split], templates)} | failed submissions {failed}")
+        if len(records) > 2:
+            print(f"  {split}: {runs_line(outcomes[0][split], [o[split] for o in outcomes[1:]], templates)}")
 
 
 def bench_learn(args):
@@ -910,7 +961,7 @@ def bench_gpu(args):
 def main():
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "pair", "scale"])
-    parser.add_argument("paths", nargs="*", help="pair: two evaluations, before and after (run or --eval-only folders)")
+    parser.add_argument("paths", nargs="*", help="pair: evaluations, before and then after (one or more runs: run or --eval-only folders)")
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")

@@ -108,6 +108,28 @@ def test_pair_compares_the_last_evaluation_of_a_run_with_an_eval_only_folder(spl
     assert "(20 tasks)" in out and "(10 tasks)" in out      # failed-submission rates are each of their own tasks
 
 
+def test_pair_of_several_runs_averages_them_task_by_task(splits, tmp_path, capsys):
+    """Two seeds against one start on 10 tasks: the first gains tasks 0-3, the second gains 0-1 and
+    loses 8-9. Each is printed as its own pair; their mean is (4 + 0) / 2 = +2 tasks of 10."""
+    import json
+    from types import SimpleNamespace
+    ids = {split: [t.id for t in tasks] for split, tasks in splits.items()}
+    folders = {name: tmp_path / name for name in ("start", "seed0", "seed1")}
+    for name, outcomes in (("start", "0000000011"), ("seed0", "1111000011"), ("seed1", "1100000000")):
+        folders[name].mkdir()
+        (folders[name] / "eval_only.json").write_text(json.dumps({"data": "default", **_evaluation(0, {"test": outcomes}, ids)}) + "\n")
+    bench.bench_pair(SimpleNamespace(paths=[str(folders[n]) for n in ("start", "seed0", "seed1")]))
+    out = capsys.readouterr().out
+    assert "0.200 -> 0.600 on 10 tasks: +40.0 points" in out and "4 gained, 0 lost" in out
+    assert "0.200 -> 0.200 on 10 tasks: +0.0 points" in out and "2 gained, 2 lost" in out
+    assert "mean of 2 runs: 0.200 -> 0.400 on 10 tasks: +20.0 points" in out
+    assert "the runs: +40.0, +0.0 (spread 40.0)" in out
+    start = [0] * 8 + [1, 1]
+    mean_after = [1, 1, 0.5, 0.5, 0, 0, 0, 0, 0.5, 0.5]
+    _, (low, high), _ = bench.paired_difference(start, mean_after)     # the interval of the averaged outcomes
+    assert f"[{100 * low:+.1f}, {100 * high:+.1f}] by task" in out.splitlines()[-1]
+
+
 def test_pair_refuses_what_it_cannot_pair(splits, tmp_path):
     import json
     from types import SimpleNamespace
@@ -117,7 +139,7 @@ def test_pair_refuses_what_it_cannot_pair(splits, tmp_path):
                            (c, {"data": "elsewhere", **_evaluation(0, {"test": "01"}, ids)})):
         folder.mkdir()
         (folder / "eval_only.json").write_text(json.dumps(record) + "\n")
-    with pytest.raises(SystemExit, match="no split evaluated in both"):
+    with pytest.raises(SystemExit, match="no split evaluated in all"):
         bench.bench_pair(SimpleNamespace(paths=[str(a), str(b)]))
     with pytest.raises(SystemExit, match="different data"):
         bench.bench_pair(SimpleNamespace(paths=[str(a), str(c)]))
@@ -125,3 +147,19 @@ def test_pair_refuses_what_it_cannot_pair(splits, tmp_path):
         bench.bench_pair(SimpleNamespace(paths=[str(a), str(tmp_path / "missing")]))
     with pytest.raises(SystemExit, match="two evaluations"):
         bench.bench_pair(SimpleNamespace(paths=[str(a)]))
+
+
+def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_llama):
+    """The rollout bench splits the forwards' time by these two ops: a forward must go through
+    both (else the split would put everything in 'the rest'), each inside the profiled wall time."""
+    import time
+    import torch
+    ids = torch.randint(0, 100, (4, 24))
+    start = time.perf_counter()
+    with torch.no_grad():
+        parts = bench.profiled_seconds(lambda: tiny_llama(input_ids=ids, attention_mask=torch.ones_like(ids)),
+                                       {"matmuls": "aten::linear", "attention": "aten::scaled_dot_product_attention",
+                                        "absent": "aten::no_such_op"})
+    wall = time.perf_counter() - start
+    assert parts["matmuls"] > 0 and parts["attention"] > 0 and parts["absent"] == 0
+    assert parts["matmuls"] + parts["attention"] < wall
