@@ -27,6 +27,7 @@ import random
 import re
 import subprocess
 import sys
+import textwrap
 import time
 
 import numpy as np
@@ -693,6 +694,19 @@ def paired_line(before, after, templates=None) -> str:
     return line + f", McNemar p={p:.3f}, {gained} gained, {lost} lost"
 
 
+def template_moves(before, after, templates, most=3) -> str:
+    """Where a paired difference comes from: how many templates had a question gained or lost, and
+    the `most` that moved the most (by net questions), each as +gained/-lost of its questions shared."""
+    moves = {}                                                     # template: [gained, lost, tasks]
+    for t in before:
+        if t in after:
+            m = moves.setdefault(templates[t], [0, 0, 0])
+            m[0], m[1], m[2] = m[0] + (after[t] > before[t]), m[1] + (after[t] < before[t]), m[2] + 1
+    moved = sorted((kv for kv in moves.items() if kv[1][0] or kv[1][1]), key=lambda kv: -abs(kv[1][0] - kv[1][1]))
+    return "".join([f"templates moved: {len(moved)} of {len(moves)}" + (", most:" if moved else "")] +
+                   [f"\n  +{g}/-{l} of {n}  {template}" for template, (g, l, n) in moved[:most]])
+
+
 def task_templates(data, split) -> dict:
     """{task id: query template} of a split (tasks without gold SQL have none)."""
     import sql_env
@@ -739,7 +753,8 @@ def bench_pair(args):
     lost, failed submissions. Each is a run folder (its last evaluation) or an --eval-only folder;
     an evaluation of a subset pairs with a whole-split one on the tasks they share. The interval
     is given twice: with tasks as independent draws, and by query template (the data's gold SQL
-    tells the templates), which is what a claim about new kinds of questions needs. Several AFTERs
+    tells the templates), which is what a claim about new kinds of questions needs, with the
+    templates that moved most under it (template_moves). Several AFTERs
     (seeds of one arm) add a line for their mean (runs_line)."""
     import train
     if len(args.paths) < 2:
@@ -766,6 +781,7 @@ def bench_pair(args):
                                  f"{m['eval_failed_submit_rate']:.2f}" + ("" if same else f" ({m['eval_tasks']} tasks)")
                                  for m in (metrics[0], m_after))
             print(f"  {split}: {paired_line(outcomes[0][split], after[split], templates)} | failed submissions {failed}")
+            print(textwrap.indent(template_moves(outcomes[0][split], after[split], templates), "    "))
         if len(records) > 2:
             print(f"  {split}: {runs_line(outcomes[0][split], [o[split] for o in outcomes[1:]], templates)}")
 

@@ -73,6 +73,18 @@ def test_query_template_keeps_the_query_and_blanks_its_values():
     assert bench.query_template("SELECT t2.x FROM t2") == "SELECT t2.x FROM t2"    # names keep their digits
 
 
+def test_template_moves_names_the_templates_a_difference_comes_from():
+    """Three templates: A gains 3 of its 3 questions, B gains one and loses one (net 0, but it
+    moved), C stays; task 9 is only in `before` and is not counted."""
+    templates = {0: "A", 1: "A", 2: "A", 3: "B", 4: "B", 5: "C", 6: "C", 9: "C"}
+    before = {0: 0, 1: 0, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0, 9: 1}
+    after = {0: 1, 1: 1, 2: 1, 3: 0, 4: 1, 5: 1, 6: 0}
+    lines = bench.template_moves(before, after, templates).splitlines()
+    assert lines == ["templates moved: 2 of 3, most:", "  +3/-0 of 3  A", "  +1/-1 of 2  B"]
+    assert bench.template_moves(before, before, templates) == "templates moved: 0 of 3"
+    assert bench.template_moves(before, after, templates, most=1).splitlines()[1:] == ["  +3/-0 of 3  A"]
+
+
 def _evaluation(step, outcomes_by_split, ids_by_split):
     """An evaluation record as train.evaluate_splits writes it: eval_* for the first split, SPLIT_* after."""
     record = {"step": step, "eval_split": next(iter(outcomes_by_split))}
@@ -122,6 +134,7 @@ def test_pair_of_several_runs_averages_them_task_by_task(splits, tmp_path, capsy
     out = capsys.readouterr().out
     assert "0.200 -> 0.600 on 10 tasks: +40.0 points" in out and "4 gained, 0 lost" in out
     assert "0.200 -> 0.200 on 10 tasks: +0.0 points" in out and "2 gained, 2 lost" in out
+    assert out.count("templates moved:") == 2                       # under each run's own line
     assert "mean of 2 runs: 0.200 -> 0.400 on 10 tasks: +20.0 points" in out
     assert "the runs: +40.0, +0.0 (spread 40.0)" in out
     start = [0] * 8 + [1, 1]
