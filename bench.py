@@ -697,14 +697,14 @@ def paired_line(before, after, templates=None) -> str:
 def template_moves(before, after, templates, most=3) -> str:
     """Where a paired difference comes from: how many templates had a question gained or lost, and
     the `most` that moved the most (by net questions), each as +gained/-lost of its questions shared."""
-    moves = {}                                                     # template: [gained, lost, tasks]
-    for t in before:
-        if t in after:
-            m = moves.setdefault(templates[t], [0, 0, 0])
-            m[0], m[1], m[2] = m[0] + (after[t] > before[t]), m[1] + (after[t] < before[t]), m[2] + 1
-    moved = sorted((kv for kv in moves.items() if kv[1][0] or kv[1][1]), key=lambda kv: -abs(kv[1][0] - kv[1][1]))
-    return "".join([f"templates moved: {len(moved)} of {len(moves)}" + (", most:" if moved else "")] +
-                   [f"\n  +{g}/-{l} of {n}  {template}" for template, (g, l, n) in moved[:most]])
+    moves = {}                                                     # template: (gained, lost, tasks)
+    for t in [t for t in before if t in after]:                   # the tasks both ran, as paired_line pairs them
+        gained, lost, tasks = moves.get(templates[t], (0, 0, 0))
+        moves[templates[t]] = (gained + (after[t] > before[t]), lost + (after[t] < before[t]), tasks + 1)
+    moved = sorted(((template, m) for template, m in moves.items() if m[0] or m[1]), key=lambda kv: -abs(kv[1][0] - kv[1][1]))
+    lines = [f"templates moved: {len(moved)} of {len(moves)}" + (", most:" if moved else "")]
+    lines += [f"  +{g}/-{l} of {n}  {template}" for template, (g, l, n) in moved[:most]]
+    return "\n".join(lines)
 
 
 def task_templates(data, split) -> dict:
