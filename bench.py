@@ -889,7 +889,8 @@ def bench_learn(args):
         return sum(values) / len(values) if values else float("nan")
     updated = [r for r in grpo_steps if not r["skipped"]]
     print(f"GRPO signal: mixed groups {sum(r['trainable_groups'] for r in grpo_steps)}/"
-          f"{sum(r['submitted_groups'] for r in grpo_steps)}, {len(updated)}/{len(grpo_steps)} batches trained | clip "
+          f"{sum(r['submitted_groups'] for r in grpo_steps)} ({mean('rollout_rounds', grpo_steps):.1f} rollout rounds a "
+          f"step), {len(updated)}/{len(grpo_steps)} batches trained | clip "
           f"fraction {mean('clip_frac_low', updated) + mean('clip_frac_high', updated):.3f}, KL to the sampler "
           f"{mean('kl_old', updated):.4f}, entropy {mean('entropy', updated):.3f} nats | train accuracy by step "
           + " ".join(f"{r['train_accuracy']:.2f}" for r in grpo_steps)

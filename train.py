@@ -17,7 +17,8 @@ the whole algorithm:
                          tasks whose last group came out mixed, some right and some wrong
                          (groups that are all right or all wrong carry no signal); the rest
                          explore, weighted toward tiers the agent gets right about half the time
-    2) rollouts          N trajectories per task, sampled with the current LoRA policy
+    2) rollouts          N trajectories per task, sampled with the current LoRA policy; with
+                         --sample-rounds, more tasks until enough groups came out mixed (DAPO)
     3) reward            reward = judge_score + bonus * correct (+ partial credit, an option)
                          (one visible line, in score_groups)
     4) advantages        normalized within each group (grpo.batch_from_groups); all-equal groups
@@ -102,6 +103,10 @@ def parse_args(argv=None):
     g.add_argument("--frontier-share", type=float, default=0.75,
                    help="share of a step's tasks drawn from the frontier (train tasks whose last group was mixed); "
                         "the rest explore by tier. 0: tier sampling alone")
+    g.add_argument("--sample-rounds", type=int, default=1,
+                   help="dynamic sampling (DAPO): roll out up to this many rounds of --groups-per-step new tasks in a "
+                        "step, stopping once --groups-per-step groups came out mixed (some right, some wrong); every "
+                        "mixed group is trained on. 1: one round, whatever came out")
     # judge and reward
     g = p.add_argument_group("judge and reward")
     g.add_argument("--judge", choices=["auto", "local", "http", "none"], default="auto",
@@ -174,7 +179,7 @@ def parse_args(argv=None):
     if args.steps < 0:
         p.error(f"--steps must be >= 0, got {args.steps}")
     positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size", "lora_r",
-                "epochs", "minibatches"]
+                "epochs", "minibatches", "sample_rounds"]
     for name in positive:
         if getattr(args, name) < 1:
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
@@ -259,7 +264,7 @@ def truncate_metrics(path, last_step):
 
 
 # ----------------------------------------------------------------------------- task sampling
-def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75):
+def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75, exclude=()):
     """Pick k tasks: a share from the frontier, the others exploring by tier.
 
     A group whose trajectories are all right or all wrong has zero advantage and teaches nothing;
@@ -267,11 +272,12 @@ def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75):
     is, with probability frontier_share, a frontier task (weight p(1-p)); otherwise a tier (weight
     p(1-p) + a floor, p its running success rate) and a task in it, so that every task is seen now
     and then and a solved or hopeless one gets another chance. No task is picked twice in a step
-    while its tier has others.
+    while its tier has others, nor one in `exclude` (the tasks a step already rolled out).
     task_stats: {"tiers": {tier: running success rate}, "tasks": {task id: last group's pass rate}}.
     """
     by_id = {task.id: task for tier_tasks in tasks_by_tier.values() for task in tier_tasks}
-    frontier = {tid: p for tid, p in sorted(task_stats["tasks"].items()) if 0 < p < 1 and tid in by_id}
+    frontier = {tid: p for tid, p in sorted(task_stats["tasks"].items())
+                if 0 < p < 1 and tid in by_id and tid not in exclude}
     tiers = sorted(tasks_by_tier)
     tier_rates = [task_stats["tiers"].get(tier, 0.5) for tier in tiers]
     tier_weights = [p * (1 - p) + 0.05 for p in tier_rates]    # peaks at p = 0.5, where a group is most often mixed
@@ -281,7 +287,8 @@ def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75):
             tid = rng.choices(list(frontier), weights=[p * (1 - p) for p in frontier.values()])[0]
         else:
             tier = rng.choices(tiers, weights=tier_weights)[0]
-            fresh = [task.id for task in tasks_by_tier[tier] if task.id not in chosen]  # one group per task and step
+            fresh = [task.id for task in tasks_by_tier[tier]
+                     if task.id not in chosen and task.id not in exclude]     # one group per task and step
             tid = rng.choice(fresh or [task.id for task in tasks_by_tier[tier]])
         frontier.pop(tid, None)
         chosen.append(tid)
@@ -553,6 +560,8 @@ def run_process(args, device):
     world, rank = parallel.world_size(), parallel.rank()
     if world > 1 and (args.update != "grpo" or args.epochs * args.minibatches > 1):
         raise SystemExit("under torchrun, --update grpo with --epochs 1 --minibatches 1 only (so far)")
+    if world > 1 and args.sample_rounds > 1:     # each process would stop after its own rounds, on its own tasks
+        raise SystemExit("under torchrun, --sample-rounds 1 only (so far)")
     judge_cache = os.path.join(args.out, "judge_cache") if parallel.is_main() else None   # rank 0 writes
 
     bar = tqdm(range(start_step + 1, args.steps + 1), initial=start_step, total=args.steps, desc="train",
@@ -561,11 +570,18 @@ def run_process(args, device):
         t0 = time.time()
         step_seed = args.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
         # 1) sample tasks (under torchrun: the same draw everywhere, each process rolls out its share),
-        # 2) rollouts, seeded per step and process (in one process, by the step's seed itself)
-        tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(step_seed),
-                                            args.frontier_share))
-        sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=step_seed * world + rank)
-        groups = agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
+        # 2) rollouts, seeded per step, round and process (in one process and one round, by the step's seed).
+        #    With --sample-rounds R > 1, DAPO's dynamic sampling: new tasks, round after round, until
+        #    groups_per_step groups came out mixed (the others carry no signal) or R rounds ran
+        groups = []
+        for round_index in range(args.sample_rounds):
+            round_seed = step_seed * args.sample_rounds + round_index
+            tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(round_seed),
+                                                args.frontier_share, exclude={g.task.id for g in groups}))
+            sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=round_seed * world + rank)
+            groups += agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
+            if sum(0 < sum(t.correct for t in g.trajectories) < len(g.trajectories) for g in groups) >= args.groups_per_step:
+                break
         t_rollout = time.time() - t0
 
         # 3) reward = judge score + bonus * correct (score_groups)
@@ -604,7 +620,8 @@ def run_process(args, device):
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
         record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed, **judge_counters(results),
-                             frontier_tasks=frontier_before, **times, time_step=time.time() - t0)
+                             frontier_tasks=frontier_before, rollout_rounds=round_index + 1, **times,
+                             time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
         write_trajectories(args.out, step, groups, rewards, results, trained)
         if stats.get("skipped"):

@@ -213,6 +213,42 @@ def test_task_sampling_prefers_frontier_tasks_and_still_explores():
     assert flat.count("t0") < 60
 
 
+def test_task_sampling_skips_the_tasks_a_step_already_rolled_out():
+    """A later round of dynamic sampling draws new tasks, from the frontier and from the tiers."""
+    import random
+    tasks = {"medium": [SimpleNamespace(id=f"t{i}") for i in range(10)]}
+    stats = {"tiers": {}, "tasks": {"t0": 0.5, "t1": 0.5, "t2": 0.5}}
+    done = {"t0", "t1", "t3", "t4"}
+    picks = [t.id for seed in range(200) for t in train.sample_tasks(tasks, stats, 3, random.Random(seed), exclude=done)]
+    assert not done & set(picks) and picks.count("t2") > 150
+
+
+def test_dynamic_sampling_rolls_out_new_tasks_until_enough_groups_are_mixed(tiny_model_dir, tmp_path, monkeypatch):
+    """--sample-rounds 3, 2 groups a step: the first round comes out all wrong, so a second round
+    rolls out 2 other tasks; they come out mixed, so no third round runs, and only they are trained on."""
+    import agentrl
+    real, rounds = agentrl.rollout_groups, []
+
+    def first_round_all_wrong(*args, **kwargs):
+        groups = real(*args, **kwargs)
+        if "-train-" in groups[0].task.id:      # not the evaluations
+            for g in groups:
+                for i, t in enumerate(g.trajectories):
+                    t.correct = bool(rounds) and i == 0
+            rounds.append([g.task.id for g in groups])
+        return groups
+    monkeypatch.setattr(agentrl, "rollout_groups", first_round_all_wrong)
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--judge", "none", "--sample-rounds", "3"))
+    step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
+    assert len(rounds) == 2 and not set(rounds[0]) & set(rounds[1]), rounds
+    assert step["rollout_rounds"] == 2 and step["submitted_groups"] == 4 and step["trainable_groups"] == 2
+    assert not step["skipped"] and step["mixed_group_rate"] == 0.5
+    episodes = [json.loads(line) for line in open(out / "trajectories" / "step_0001.jsonl")]
+    assert [e["task_id"] for e in episodes if e["advantage"]] == [tid for tid in rounds[1] for _ in range(3)]
+    assert [e["advantage"] > 0 for e in episodes[6:]] == [True, False, False] * 2
+
+
 def test_task_stats_record_the_last_pass_rate_per_task():
     group = SimpleNamespace(task=SimpleNamespace(id="q", difficulty="easy"),
                             trajectories=[SimpleNamespace(correct=c) for c in (True, False, False, True)])
