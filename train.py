@@ -580,7 +580,8 @@ def run_process(args, device):
                                                 args.frontier_share, exclude={g.task.id for g in groups}))
             sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=round_seed * world + rank)
             groups += agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
-            if sum(0 < sum(t.correct for t in g.trajectories) < len(g.trajectories) for g in groups) >= args.groups_per_step:
+            mixed = sum(0 < sum(t.correct for t in g.trajectories) < len(g.trajectories) for g in groups)
+            if mixed >= args.groups_per_step:
                 break
         t_rollout = time.time() - t0
 
