@@ -295,10 +295,15 @@ def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75, exclude
     return [by_id[tid] for tid in chosen]
 
 
+def pass_rate(group):
+    """The share of a group's trajectories that are correct: 0 < pass rate < 1 is a mixed group."""
+    return sum(t.correct for t in group.trajectories) / len(group.trajectories)
+
+
 def update_task_stats(task_stats, groups, momentum=0.7):
     """Record each group's pass rate: a running rate per tier, the last one per task."""
     for group in groups:
-        accuracy = sum(t.correct for t in group.trajectories) / len(group.trajectories)
+        accuracy = pass_rate(group)
         tier = group.task.difficulty
         task_stats["tiers"][tier] = momentum * task_stats["tiers"].get(tier, 0.5) + (1 - momentum) * accuracy
         task_stats["tasks"][group.task.id] = accuracy
@@ -580,8 +585,7 @@ def run_process(args, device):
                                                 args.frontier_share, exclude={g.task.id for g in groups}))
             sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=round_seed * world + rank)
             groups += agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
-            mixed = sum(0 < sum(t.correct for t in g.trajectories) < len(g.trajectories) for g in groups)
-            if mixed >= args.groups_per_step:
+            if sum(0 < pass_rate(g) < 1 for g in groups) >= args.groups_per_step:
                 break
         t_rollout = time.time() - t0
 
