@@ -15,6 +15,7 @@
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
     python bench.py scale     # train.py steps per minute on 1 process and on 2 (torchrun), rollout vs update
+    python bench.py allocator # a short run's peak memory and phase times: glibc's malloc as it comes vs a 1 MiB mmap threshold
 
 Each benchmark measures the baseline and ours in the same run and prints them side by side,
 with the ratio: the machines are shared and noisy, so only ratios are worth quoting.
@@ -25,6 +26,7 @@ import math
 import os
 import random
 import re
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -915,7 +917,7 @@ def bench_learn(args):
 
 
 # ---------------------------------------------------------------- scale (train.py under torchrun, parallel.py)
-SCALE_WORKER = "AGENTRL_BENCH_SCALE_WORKER"   # set in the processes bench.py scale starts: train.py's flags (JSON)
+TRAIN_WORKER = "AGENTRL_BENCH_TRAIN_WORKER"   # set in the train.py runs bench.py scale and allocator start: their flags (JSON)
 
 
 def scripted_rewards(groups, *args, **kwargs):
@@ -923,7 +925,7 @@ def scripted_rewards(groups, *args, **kwargs):
     untrained model answers nothing right); the figure is time, not learning."""
     import judge
     rewards = [[k / len(g.trajectories) for k in range(len(g.trajectories))] for g in groups]
-    unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, clamped=0, error="scripted")
+    unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="scripted")
     return rewards, [unscored] * len(groups), 0
 
 
@@ -933,11 +935,6 @@ def bench_scale(args):
     slowest process's; the others wait for it) and the rest (the update with its gradient
     all-reduce, gathering the step, the metrics record). Times are train.py's own: time_step runs
     from sampling the tasks to the metrics record, so checkpoint and plot writes are left out."""
-    if os.environ.get(SCALE_WORKER):          # one process of the measured run
-        import train
-        train.score_groups = scripted_rewards
-        train.main(json.loads(os.environ[SCALE_WORKER]))
-        return
     out = os.path.join("runs", "bench_scale")
     flags = ["--steps", "3", "--sft-steps", "0", "--groups-per-step", "2", "--group-size", "4", "--max-turns", "2",
              "--max-new-tokens", "48", "--eval-size", "1", "--eval-split", "test", "--seed", str(args.seed),
@@ -947,9 +944,9 @@ def bench_scale(args):
         run_dir = os.path.join(out, f"processes_{processes}")
         launcher = [sys.executable] if processes == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-        env = {**os.environ, SCALE_WORKER: json.dumps(flags + ["--out", run_dir])}
+        env = {**os.environ, TRAIN_WORKER: json.dumps(flags + ["--out", run_dir])}
         t0 = time.perf_counter()
-        subprocess.run(launcher + [os.path.abspath(__file__), "scale"], env=env, check=True, stdout=subprocess.DEVNULL)
+        subprocess.run(launcher + [os.path.abspath(__file__)], env=env, check=True, stdout=subprocess.DEVNULL)
         whole = time.perf_counter() - t0
         steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in line]
         step_s = sum(r["time_step"] for r in steps) / len(steps)
@@ -969,6 +966,66 @@ def bench_scale(args):
           f"{one['rollout_s'] / two['rollout_s']:.2f}x faster, the rest {one['rest_s'] / two['rest_s']:.2f}x faster")
 
 
+def run_train_worker():
+    """A train.py run that bench.py scale or allocator started, with scripted rewards."""
+    import train
+    train.score_groups = scripted_rewards
+    train.main(json.loads(os.environ[TRAIN_WORKER]))
+
+
+# ---------------------------------------------------------------- allocator (train.py)
+ALLOCATOR_RUN = ["--sft-steps", "2", "--steps", "2", "--eval-size", "4"]   # every phase of the default run, short
+
+
+def mean_or_nan(values):
+    return sum(values) / len(values) if values else float("nan")
+
+
+def bench_allocator(args):
+    """What glibc's malloc keeps of the default run's memory, and what handing it back costs: a
+    short train.py run with every phase (base evaluation, 2 SFT steps, SFT evaluation, 2 GRPO steps
+    that each update (scripted rewards), final evaluation), once with glibc's malloc as it comes
+    (--malloc-mmap-threshold 0, the default) and once with train.LEAN_MMAP_THRESHOLD
+    (release_freed_memory), each in a fresh process. The peak is the child's maximum resident set (os.wait4's rusage); the times
+    are train.py's own per phase, and the whole run's."""
+    import train
+    out = os.path.join("runs", "bench_allocator")
+    flags = [*ALLOCATOR_RUN, "--seed", str(args.seed), *args.train_flags]
+    variants = {"glibc's own": 0, f"{train.LEAN_MMAP_THRESHOLD >> 20} MiB": train.LEAN_MMAP_THRESHOLD}
+    env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+    rows = {}
+    for name, threshold in variants.items():
+        run_dir = os.path.join(out, f"threshold_{threshold}")
+        shutil.rmtree(run_dir, ignore_errors=True)
+        print(f"running {name} ...", flush=True)
+        argv = flags + ["--malloc-mmap-threshold", str(threshold), "--out", run_dir]
+        t0 = time.perf_counter()
+        child = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdout=subprocess.DEVNULL,
+                                 env={**env, TRAIN_WORKER: json.dumps(argv)})
+        _, status, usage = os.wait4(child.pid, 0)
+        whole = time.perf_counter() - t0
+        if status:
+            raise SystemExit(f"allocator: the {name} run failed (wait status {status})")
+        records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        steps = [r for r in records if "reward_mean" in r]
+        rows[name] = {"peak_gib": usage.ru_maxrss * 1024 / 2**30, "run_s": whole,
+                      "sft_s": mean_or_nan([r["time_step"] for r in records if "sft_step" in r]),
+                      "rollout_s": mean_or_nan([r["time_rollout"] for r in steps]),
+                      "update_s": mean_or_nan([r["time_step"] - r["time_rollout"] for r in steps]),
+                      "updates": sum(not r["skipped"] for r in steps)}
+    print(f"\nallocator: train.py {' '.join(flags)} (scripted rewards), "
+          f"threads: {os.environ.get('OMP_NUM_THREADS') or torch.get_num_threads()}")
+    print(f"{'malloc mmap threshold':<24}{'peak resident':>14}{'run s':>8}{'SFT step s':>11}{'rollout s':>10}"
+          f"{'update s':>9}{'updates':>8}")
+    for name, r in rows.items():
+        print(f"{name:<24}{r['peak_gib']:>10.2f} GiB{r['run_s']:>8.0f}{r['sft_s']:>11.1f}{r['rollout_s']:>10.1f}"
+              f"{r['update_s']:>9.1f}{r['updates']:>8}")
+    base, ours = rows.values()
+    print(f"1 MiB / glibc's own: peak {ours['peak_gib'] / base['peak_gib']:.2f}x | run time "
+          f"{ours['run_s'] / base['run_s']:.2f}x | SFT step {ours['sft_s'] / base['sft_s']:.2f}x | rollout "
+          f"{ours['rollout_s'] / base['rollout_s']:.2f}x | update {ours['update_s'] / base['update_s']:.2f}x")
+
+
 def bench_gpu(args):
     """The GPU check (fit3b.bench_gpu): the Qwen2.5-3B shape under a T4's memory, then real steps."""
     import fit3b
@@ -976,8 +1033,11 @@ def bench_gpu(args):
 
 
 def main():
+    if os.environ.get(TRAIN_WORKER):   # this process is one measured train.py run
+        return run_train_worker()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "pair", "scale"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "pair", "scale",
+                                          "allocator"])
     parser.add_argument("paths", nargs="*", help="pair: evaluations, before and then after (one or more runs: run or --eval-only folders)")
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
@@ -996,11 +1056,12 @@ def main():
                         help="update, eval: a comma-separated subset of the variants (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
-    if train_flags and args.which not in ("learn", "scale"):
+    if train_flags and args.which not in ("learn", "scale", "allocator"):
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
-    args.train_flags = train_flags  # learn, scale: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
+    args.train_flags = train_flags  # learn, scale, allocator: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
     benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "judge-server": bench_judge_server,
-               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "pair": bench_pair, "scale": bench_scale}
+               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "pair": bench_pair, "scale": bench_scale,
+               "allocator": bench_allocator}
     benches[args.which](args)
 
 

@@ -40,6 +40,7 @@ Deliberate simplifications, and why they are safe:
 """
 import argparse
 import contextlib
+import ctypes
 import errno
 import json
 import math
@@ -63,6 +64,8 @@ import parallel
 import report
 import sql_env
 from files import atomic_folder, atomic_path, write_text_atomic
+
+LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -152,6 +155,10 @@ def parse_args(argv=None):
     g.add_argument("--micro-batch-size", type=int, default=4 if on_gpu else 1,
                    help="sequences per forward/backward (on CPU one at a time was faster, and 2.5x leaner, than 4)")
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=on_gpu, help="trade compute for memory")
+    g.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
+                   help=f"glibc: blocks of this size or more get pages of their own, handed back when freed; "
+                        f"{LEAN_MMAP_THRESHOLD} lowers the peak for a slower run (bench.py allocator measures both). "
+                        f"0: glibc's own setting")
     # evaluation and output
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after training)")
@@ -197,6 +204,8 @@ def parse_args(argv=None):
         p.error(f"--rubric {args.rubric!r}: no such file")
     if args.dist_timeout <= 0:
         p.error(f"--dist-timeout must be > 0, got {args.dist_timeout}")
+    if args.malloc_mmap_threshold < 0:
+        p.error(f"--malloc-mmap-threshold must be >= 0 bytes (0: glibc's own), got {args.malloc_mmap_threshold}")
     if args.eval_split is None:
         args.eval_split = "test,test_schema" if args.data == "default" else "dev"
     args.eval_splits = [split.strip() for split in args.eval_split.split(",") if split.strip()]
@@ -493,8 +502,27 @@ def run(args):
     return result
 
 
+def release_freed_memory(threshold):
+    """Have glibc's malloc serve every block of `threshold` bytes or more with pages of its own
+    (mmap) and hand them back to the OS when the block is freed. glibc's own threshold starts at
+    128 KiB but rises (up to 32 MiB) with every larger mapped block freed; from then on the
+    activations of an update (1 to 4 MiB each) come from the heap and stay in it once freed, cut
+    up by smaller blocks still alive, and the resident set keeps the highest point they reached.
+    The price is page faults, fresh pages for every large tensor, in decoding too (a step's logits
+    are 3 MiB): off by default, since bench.py allocator measured it slower. A
+    MALLOC_MMAP_THRESHOLD_ the user set is left alone, and so is a C library without mallopt.
+    Returns whether it was set."""
+    if threshold <= 0 or "MALLOC_MMAP_THRESHOLD_" in os.environ or not sys.platform.startswith("linux"):
+        return False
+    mallopt = getattr(ctypes.CDLL(None), "mallopt", None)    # the C library this process already runs on
+    M_MMAP_THRESHOLD = -3                                     # from glibc's malloc.h
+    return mallopt is not None and mallopt(M_MMAP_THRESHOLD, threshold) == 1
+
+
 def run_process(args, device):
-    # 0) setup: seed, device, run folder, the whole config logged once
+    # 0) setup: seed, device, run folder, the whole config logged once; with --malloc-mmap-threshold,
+    #    glibc's malloc told to hand freed activations back (release_freed_memory says why)
+    release_freed_memory(args.malloc_mmap_threshold)
     torch.manual_seed(args.seed)
     random.seed(args.seed)
     if parallel.is_main():

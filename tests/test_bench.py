@@ -2,6 +2,8 @@
 
 Run: python -m pytest -q tests/test_bench.py
 """
+import re
+
 import pytest
 
 import bench
@@ -176,3 +178,19 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
     wall = time.perf_counter() - start
     assert parts["matmuls"] > 0 and parts["attention"] > 0 and parts["absent"] == 0
     assert parts["matmuls"] + parts["attention"] < wall
+
+
+def test_allocator_bench_runs_both_settings_and_prints_their_ratio(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """bench.py allocator end to end on the tiny model: two fresh train.py runs, each row with its
+    peak resident set and its updates, then the ratio line."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "ALLOCATOR_RUN", ["--sft-steps", "0", "--steps", "1", "--eval-size", "1", "--eval-split", "test",
+                                                 "--no-start-eval"])
+    monkeypatch.setattr("sys.argv", ["bench.py", "allocator", "--model", tiny_model_dir, "--groups-per-step", "1",
+                                     "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4", "--judge", "none"])
+    bench.main()
+    out = capsys.readouterr().out
+    rows = re.findall(r"^(glibc's own|1 MiB) +([\d.]+) GiB .* (\d+)$", out, re.M)
+    assert [name for name, _, _ in rows] == ["glibc's own", "1 MiB"], out
+    assert all(float(peak) > 0.1 and updates == "1" for _, peak, updates in rows), out
+    assert re.search(r"1 MiB / glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out

@@ -6,6 +6,8 @@ that differ within each group, which is all GRPO needs to produce a gradient.
 import json
 import os
 import re
+import subprocess
+import sys
 from types import SimpleNamespace
 
 import pytest
@@ -140,6 +142,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--sft-steps", "4", "--max-turns", "3"], "max-turns"),          # look demonstrations take 4 turns
     (["--sft-steps", "4", "--max-turns", "2", "--demos", "plain"], "max-turns"),
     (["--eval-split", " , "], "eval-split"),
+    (["--malloc-mmap-threshold", "-1"], "malloc-mmap-threshold"),
 ])
 def test_bad_arguments_fail_fast(argv, message, capsys):
     """Bad flags stop before any model is loaded, with a message naming the flag."""
@@ -173,6 +176,40 @@ def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, t
     lines = [json.loads(line) for line in open(out / "trajectories" / "step_0001.jsonl")]
     assert all(line["judge_rescaled"] == "0-10" for line in lines)
     assert sorted(line["judge_score"] for line in lines[:3]) == pytest.approx([1 / 3, 2 / 3, 1])
+
+
+FRAGMENTED_HEAP = """
+import sys, torch, train
+set_here = train.release_freed_memory(int(sys.argv[1]))
+def resident():
+    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) * 1024
+big = torch.ones(4 << 20)
+del big                             # one freed 16 MiB block: glibc raises its mmap threshold to 16 MiB
+before = resident()
+blocks, pins = [], []
+for _ in range(100):                # 2 MiB activations, each followed by a 100 KiB block that stays alive
+    blocks.append(torch.ones(1 << 19))
+    pins.append(torch.ones(25600))
+del blocks                          # what an update frees; the pins (10 MiB) keep the heap from shrinking
+print(set_here, (resident() - before) / 2**20)
+"""
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/status") or not os.confstr("CS_GNU_LIBC_VERSION"),
+                    reason="glibc on Linux: mallopt and /proc")
+def test_freed_activations_go_back_to_the_os():
+    """200 MiB of 2 MiB tensors, interleaved with smaller ones that stay alive, then freed: with
+    glibc's own setting the resident set keeps them (why release_freed_memory exists); with a 1 MiB
+    threshold, they are handed back. Each case in a fresh process."""
+    def kept_mib(threshold):
+        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
+        out = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP, str(threshold)], env=env, cwd=os.path.dirname(
+            os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True, check=True).stdout.split()
+        return out[0] == "True", float(out[1])
+    set_default, kept_default = kept_mib(0)
+    set_ours, kept_ours = kept_mib(train.LEAN_MMAP_THRESHOLD)
+    assert (set_default, set_ours) == (False, True)
+    assert kept_default > 150 and kept_ours < 30, (kept_default, kept_ours)   # MiB; the pins are 10
 
 
 def test_bonus_is_added_to_scores_already_in_0_1():
