@@ -986,12 +986,13 @@ def bench_allocator(args):
     short train.py run with every phase (base evaluation, 2 SFT steps, SFT evaluation, 2 GRPO steps
     that each update (scripted rewards), final evaluation), once with glibc's malloc as it comes
     (--malloc-mmap-threshold 0, the default) and once with train.LEAN_MMAP_THRESHOLD
-    (release_freed_memory), each in a fresh process. The peak is the child's maximum resident set (os.wait4's rusage); the times
-    are train.py's own per phase, and the whole run's."""
+    (release_freed_memory), each in a fresh process. The peak is the child's maximum resident set
+    (os.wait4's rusage); the times are train.py's own per phase, and the whole run's."""
     import train
     out = os.path.join("runs", "bench_allocator")
     flags = [*ALLOCATOR_RUN, "--seed", str(args.seed), *args.train_flags]
-    variants = {"glibc's own": 0, f"{train.LEAN_MMAP_THRESHOLD >> 20} MiB": train.LEAN_MMAP_THRESHOLD}
+    lean = f"{train.LEAN_MMAP_THRESHOLD >> 20} MiB"
+    variants = {"glibc's own": 0, lean: train.LEAN_MMAP_THRESHOLD}
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     rows = {}
     for name, threshold in variants.items():
@@ -1021,7 +1022,7 @@ def bench_allocator(args):
         print(f"{name:<24}{r['peak_gib']:>10.2f} GiB{r['run_s']:>8.0f}{r['sft_s']:>11.1f}{r['rollout_s']:>10.1f}"
               f"{r['update_s']:>9.1f}{r['updates']:>8}")
     base, ours = rows.values()
-    print(f"1 MiB / glibc's own: peak {ours['peak_gib'] / base['peak_gib']:.2f}x | run time "
+    print(f"{lean} / glibc's own: peak {ours['peak_gib'] / base['peak_gib']:.2f}x | run time "
           f"{ours['run_s'] / base['run_s']:.2f}x | SFT step {ours['sft_s'] / base['sft_s']:.2f}x | rollout "
           f"{ours['rollout_s'] / base['rollout_s']:.2f}x | update {ours['update_s'] / base['update_s']:.2f}x")
 
