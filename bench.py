@@ -508,15 +508,18 @@ def bench_memory(args):
 
 
 # ---------------------------------------------------------------- update (grpo.py)
-UPDATE_VARIANTS = {"all-mb4": ("every position", 4, False), "trained-mb4": ("trained positions", 4, False),
-                   "trained-mb1": ("trained positions", 1, False), "prefix-mb1": ("trained positions", 1, True)}
+UPDATE_VARIANTS = {   # name: (lm_head at, micro-batch, prompt forwarded once, layers recomputed in the backward)
+    "all-mb4": ("every position", 4, False, False), "trained-mb4": ("trained positions", 4, False, False),
+    "trained-mb1": ("trained positions", 1, False, False), "prefix-mb1": ("trained positions", 1, True, False),
+    "trained-mb1-ckpt": ("trained positions", 1, False, True), "prefix-mb1-ckpt": ("trained positions", 1, True, True)}
 
 
 def bench_update(args):
     """One supervised step on 4 `look` demonstrations of the embedded data, four ways: the lm_head
     at every position in micro-batches of 4 (the earlier code), at trained positions only
     (grpo.token_logprobs' positions=), that one sequence at a time, and that with the prompt the
-    four share forwarded once (grpo.SharedPrefix; the default now, in SFT and GRPO steps alike).
+    four share forwarded once (grpo.SharedPrefix; the default now, in SFT and GRPO steps alike);
+    the -ckpt variants with gradient checkpointing (--grad-checkpointing), with and without it.
     Each variant in a fresh process (as bench_memory: VmHWM above the resident set just before the
     steps); time is the mean of 3 steps after a warm-up, on the same demonstrations in every variant.
     """
@@ -526,18 +529,20 @@ def bench_update(args):
                    for v in chosen_variants(args, UPDATE_VARIANTS)}
         base = next(iter(results.values()))   # the first variant measured is the baseline
         print(f"\none SFT step, {base['batch']} | {base['device']}")
-        print(f"{'lm_head at':<20}{'micro-batch':>12}{'prompt':>14}{'time':>9}{'vs earlier':>12}{'peak above baseline':>22}")
+        print(f"{'lm_head at':<20}{'micro-batch':>12}{'prompt':>14}{'checkpointing':>15}{'time':>9}{'vs first':>10}"
+              f"{'peak above baseline':>22}")
         for v, r in results.items():
-            positions, mbs, shared = UPDATE_VARIANTS[v]
-            print(f"{positions:<20}{mbs:>12}{'once' if shared else 'per sequence':>14}{r['seconds']:>8.1f}s"
-                  f"{base['seconds'] / r['seconds']:>11.2f}x{r['peak_gib']:>18.2f} GiB")
+            positions, mbs, shared, recompute = UPDATE_VARIANTS[v]
+            print(f"{positions:<20}{mbs:>12}{'once' if shared else 'per sequence':>14}{'yes' if recompute else 'no':>15}"
+                  f"{r['seconds']:>8.1f}s"
+                  f"{base['seconds'] / r['seconds']:>9.2f}x{r['peak_gib']:>18.2f} GiB")
         return
 
     import agentrl
     import grpo
     import lora
     import sql_env
-    positions, mbs, shared = UPDATE_VARIANTS[variant]
+    positions, mbs, shared, recompute = UPDATE_VARIANTS[variant]
     model, tokenizer = lora.load_model()
     lora.apply_lora(model, r=16)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
@@ -548,7 +553,8 @@ def bench_update(args):
         masked = grpo.token_logprobs
         grpo.token_logprobs = lambda model, ids, attention, chunk_size=512, positions=None, prefix=None: masked(
             model, ids, attention, chunk_size, None, prefix)
-    config, scaler = grpo.GRPOConfig(micro_batch_size=mbs, shared_prefix=shared), torch.amp.GradScaler("cpu", enabled=False)
+    config = grpo.GRPOConfig(micro_batch_size=mbs, shared_prefix=shared, gradient_checkpointing=recompute)
+    scaler = torch.amp.GradScaler("cpu", enabled=False)
     grpo.sft_step(model, optimizer, batches[0], config, scaler)          # warm-up
     reset_resident_peak()
     base = resident_bytes("VmRSS")

@@ -40,12 +40,14 @@ Simplifications, and why they are safe:
 """
 import math
 import random
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 from transformers import DynamicCache
+from transformers.modeling_layers import GradientCheckpointingLayer
 
 import lora
 
@@ -175,8 +177,10 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=N
         position_ids = position_ids + prefix.length
         attention_mask = torch.cat([attention_mask.new_ones(B, prefix.length), attention_mask], dim=1)  # (B, P + T)
         past = {prefix.keyword: prefix.cache(B)}
-    hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                              use_cache=prefix is not None, **past).last_hidden_state  # (B, T, H)
+    # a checkpointed layer may keep the prefix's cache: it only reads (SharedPrefix says why)
+    with checkpointing_keeps_cache(model) if prefix is not None else nullcontext():
+        hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                                  use_cache=prefix is not None, **past).last_hidden_state  # (B, T, H)
     # position t - 1 predicts token t: keep the (N, H) rows whose target is wanted, N <= B * (T - 1)
     wanted = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
     hidden, targets = hidden[:, :-1][wanted], input_ids[:, 1:][wanted]  # (N, H), (N,)
@@ -204,24 +208,31 @@ class SharedPrefix:
     summed gradient once through the prefix's own forward into the LoRA weights. The gradient is
     the one of forwarding the prefix with every sequence, exactly: the same sum, added up in
     another order. Under no_grad (the KL reference) there is nothing to carry back.
-    Not with gradient checkpointing, which turns the cache off in training.
+
+    With gradient checkpointing, layers are recomputed in the backward, and a recomputed layer
+    updates its cache a second time: a cache that appends would hand the recompute the prefix
+    twice. So neither cache here appends. The prefix's forward records each layer's keys and
+    values (PrefixRecorder, by assignment), the micro-batches read them (PrefixCache: the
+    prefix's columns, then the new ones, nothing stored), and transformers is told that a
+    checkpointed layer may keep such a cache (checkpointing_keeps_cache).
     """
 
     def __init__(self, model, token_ids):
         self.length, self.config = len(token_ids), model.config
         self.keyword = lora.cache_keyword(model.base_model)
-        cache = DynamicCache(config=model.config)
+        recorder = PrefixRecorder(config=model.config)
         ids = torch.tensor([token_ids], device=next(model.parameters()).device)  # (1, P)
-        model.base_model(input_ids=ids, position_ids=torch.arange(self.length, device=ids.device)[None],
-                         use_cache=True, **{self.keyword: cache})
-        self.outputs = [(layer.keys, layer.values) for layer in cache.layers]  # in the prefix's autograd graph
+        with checkpointing_keeps_cache(model):
+            model.base_model(input_ids=ids, position_ids=torch.arange(self.length, device=ids.device)[None],
+                             use_cache=True, **{self.keyword: recorder})
+        self.outputs = [recorder.recorded[i] for i in range(len(recorder.recorded))]  # in the prefix's autograd graph
         self.leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
                        for k, v in self.outputs]                              # where the micro-batches stop
 
     def cache(self, rows):
-        """A fresh cache holding the prefix in `rows` rows (views, no copy), for one forward."""
-        return DynamicCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.leaves],
-                            config=self.config)
+        """A cache holding the prefix in `rows` rows (views, no copy), for one forward."""
+        return PrefixCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.leaves],
+                           config=self.config)
 
     def backward(self):
         """After every micro-batch's backward: the gradient they left on the prefix's keys and
@@ -230,6 +241,44 @@ class SharedPrefix:
                  for out, leaf in zip(outs, leaves) if leaf.grad is not None]
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
+
+
+class PrefixCache(DynamicCache):
+    """A cache that only reads: each layer attends to the prefix's columns followed by the new
+    ones, and nothing is stored, so running a layer twice (a checkpointed layer's recompute) sees
+    the same cache both times. Lengths and mask sizes are the prefix's (DynamicCache's layers)."""
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        layer = self.layers[layer_idx]
+        return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
+
+
+class PrefixRecorder(DynamicCache):
+    """The prefix's own forward: each layer's keys and values are recorded (a recompute records
+    them again, in the same place) and attended as they are; there is no past."""
+
+    def __init__(self, config):
+        super().__init__(config=config)
+        self.recorded = {}     # layer index -> (keys, values), each (1, KV heads, P, head dim)
+
+    def update(self, key_states, value_states, layer_idx, *args, **kwargs):
+        self.recorded[layer_idx] = key_states, value_states
+        return key_states, value_states
+
+
+@contextmanager
+def checkpointing_keeps_cache(model):
+    """transformers drops the cache of a checkpointed decoder layer (its recompute in the backward
+    would update the cache a second time) unless the layer says it may keep it. PrefixRecorder and
+    PrefixCache are left by two runs as by one: let every decoder layer keep them, for a block."""
+    layers = [m for m in model.modules() if isinstance(m, GradientCheckpointingLayer)]
+    for m in layers:
+        m._can_checkpoint_with_cache = True
+    try:
+        yield
+    finally:
+        for m in layers:
+            m.__dict__.pop("_can_checkpoint_with_cache", None)     # back to the class's own value
 
 
 def shared_prefix_length(trajectories) -> int:
@@ -244,10 +293,11 @@ def shared_prefix_length(trajectories) -> int:
 
 
 def _prefix_length(trajectories, config):
-    """How many tokens the step's SharedPrefix takes: 0 when it is turned off, under gradient
-    checkpointing, or with under 2 tokens to share."""
+    """How many tokens the step's SharedPrefix takes: 0 when it is turned off, with under 2 tokens
+    to share, or under gradient checkpointing in a transformers that would drop its cache."""
     length = shared_prefix_length(trajectories) if trajectories and config.shared_prefix else 0
-    return length if length >= 2 and not config.gradient_checkpointing else 0
+    keeps_cache = hasattr(GradientCheckpointingLayer, "_can_checkpoint_with_cache")
+    return length if length >= 2 and (keeps_cache or not config.gradient_checkpointing) else 0
 
 
 def _shared_prefix(model, trajectories, length):

@@ -272,11 +272,20 @@ def test_shared_prefix_length_stops_at_the_first_difference_or_before_the_first_
     assert grpo.shared_prefix_length(trajs) == 12 and grpo.shared_prefix_length(trajs[:2]) == 15   # their own tokens differ from there
 
 
-@pytest.mark.parametrize("kl_coef", [0.0, 0.1])
+def count_layer_forwards(model):
+    """Count the decoder layers' attention forwards (a checkpointed layer runs again in the backward)."""
+    calls = []
+    for layer in model.model.layers:
+        layer.self_attn.register_forward_pre_hook(lambda module, args: calls.append(1))
+    return calls
+
+
+@pytest.mark.parametrize("kl_coef,checkpointing", [(0.0, False), (0.1, False), (0.0, True), (0.1, True)])
 @pytest.mark.parametrize("mbs", [1, 4])
-def test_a_shared_prefix_gives_the_update_of_forwarding_every_sequence_whole(mbs, kl_coef):
+def test_a_shared_prefix_gives_the_update_of_forwarding_every_sequence_whole(mbs, kl_coef, checkpointing):
     """The step's common prompt forwarded once (grpo.SharedPrefix) and its gradient carried back
-    after the micro-batches: the same loss, KL and update as policy_loss on the whole sequences."""
+    after the micro-batches: the same loss, KL and update as policy_loss on the whole sequences,
+    with layer checkpointing too (the micro-batches' layers recomputed, the prefix's cache read twice)."""
     trajs = shared_prompt_trajectories(6)
     model, params = tiny_model()
     perturb_lora(params)
@@ -292,15 +301,21 @@ def test_a_shared_prefix_gives_the_update_of_forwarding_every_sequence_whole(mbs
 
     model, params = tiny_model()
     perturb_lora(params)
-    config = grpo.GRPOConfig(micro_batch_size=mbs, kl_coef=kl_coef, max_grad_norm=1e9)
+    config = grpo.GRPOConfig(micro_batch_size=mbs, kl_coef=kl_coef, max_grad_norm=1e9, gradient_checkpointing=checkpointing)
+    assert grpo._prefix_length(trajs, config) == 12
+    calls = count_layer_forwards(model)
     stats = step(model, params, config, trajs=trajs, reference_context=lora.lora_disabled(model))
+    batches = math.ceil((6 if kl_coef else 5) / mbs)      # without KL the zero-advantage trajectory is not forwarded
+    forwards = 2 * (1 + (kl_coef > 0)) * (1 + batches) + 2 * (1 + batches) * checkpointing   # 2 layers each time
+    assert len(calls) == forwards      # the prefix and each micro-batch (and the reference's), recomputed with grad
     assert stats["loss"] == pytest.approx(loss.item(), rel=1e-4)
     assert stats["kl"] == (None if kl_coef == 0 else pytest.approx(want["kl"], rel=1e-4))
     for want_p, p in zip(expected, params):
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
 
 
-def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences():
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences(checkpointing):
     trajs = shared_prompt_trajectories(4)
     model, params = tiny_model()
     perturb_lora(params)
@@ -312,8 +327,11 @@ def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences():
     expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
     model, params = tiny_model()
     perturb_lora(params)
+    calls = count_layer_forwards(model)
     stats = grpo.sft_step(model, torch.optim.SGD(params, lr=0.1), trajs,
-                          grpo.GRPOConfig(micro_batch_size=1, max_grad_norm=1e9), NO_SCALER)
+                          grpo.GRPOConfig(micro_batch_size=1, max_grad_norm=1e9, gradient_checkpointing=checkpointing),
+                          NO_SCALER)
+    assert len(calls) == 2 * (1 + 4) * (1 + checkpointing)     # 2 layers: the prefix and 4 sequences (recomputed)
     assert stats["sft_loss"] == pytest.approx(loss.item(), rel=1e-4)
     for want_p, p in zip(expected, params):
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
