@@ -515,11 +515,11 @@ UPDATE_VARIANTS = {   # name: (lm_head at, micro-batch, prompt forwarded once, l
 
 
 def bench_update(args):
-    """One supervised step on 4 `look` demonstrations of the embedded data, four ways: the lm_head
+    """One supervised step on 4 `look` demonstrations of the embedded data, six ways: the lm_head
     at every position in micro-batches of 4 (the earlier code), at trained positions only
     (grpo.token_logprobs' positions=), that one sequence at a time, and that with the prompt the
     four share forwarded once (grpo.SharedPrefix; the default now, in SFT and GRPO steps alike);
-    the -ckpt variants with gradient checkpointing (--grad-checkpointing), with and without it.
+    the last two again with gradient checkpointing (--grad-checkpointing, the -ckpt variants).
     Each variant in a fresh process (as bench_memory: VmHWM above the resident set just before the
     steps); time is the mean of 3 steps after a warm-up, on the same demonstrations in every variant.
     """
@@ -893,8 +893,7 @@ def bench_learn(args):
 
     # 4) the signal GRPO had: mixed groups, several steps per batch, how far the policy moved
     def mean(key, rows):
-        values = [r[key] for r in rows if isinstance(r.get(key), (int, float))]
-        return sum(values) / len(values) if values else float("nan")
+        return mean_or_nan([r[key] for r in rows if isinstance(r.get(key), (int, float))])
     updated = [r for r in grpo_steps if not r["skipped"]]
     print(f"GRPO signal: mixed groups {sum(r['trainable_groups'] for r in grpo_steps)}/"
           f"{sum(r['submitted_groups'] for r in grpo_steps)} ({mean('rollout_rounds', grpo_steps):.1f} rollout rounds a "
