@@ -162,8 +162,10 @@ class LoRALinear(nn.Module):
         if self.merged is not None:
             return nn.functional.linear(x, self.merged, self.base_layer.bias)
         y = self.base_layer(x)
-        update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))))
-        return y + (self.scale * update).to(y.dtype)
+        # the scale multiplies the r-wide intermediate, not the out-wide update: the same product,
+        # an elementwise pass (forward and backward) over r columns instead of out
+        update = self.lora_B(self.lora_A(self.dropout(x.to(self.lora_A.weight.dtype))) * self.scale)
+        return y + update.to(y.dtype)
 
 
 def apply_lora(model, r=16, alpha=32, dropout=0.0, targets=DEFAULT_TARGETS) -> list[nn.Parameter]:
