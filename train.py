@@ -134,7 +134,7 @@ def parse_args(argv=None):
                         "query, submit (the wrong turn is not imitated)")
     g.add_argument("--sft-batch-size", type=int, default=2,
                    help="demonstrations per SFT step (2: more steps from fewer demonstrations than 4, as "
-                        "accurate in less time, and far fewer failing submissions; README, the default run)")
+                        "accurate, and far fewer failing submissions; README, the default run)")
     g.add_argument("--sft-lr", type=float, default=1e-3, help="learning rate of the warm start")
     # loss and optimization
     g = p.add_argument_group("loss and optimization")
