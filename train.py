@@ -101,7 +101,9 @@ def parse_args(argv=None):
     g.add_argument("--max-turns", type=int, default=4, help="assistant turns per trajectory")
     g.add_argument("--max-new-tokens", type=int, default=256 if on_gpu else 128, help="sampled tokens per turn")
     g.add_argument("--max-context", type=int, default=4096 if on_gpu else 2048, help="tokens per trajectory")
-    g.add_argument("--temperature", type=float, default=1.0, help="sampling temperature of the rollouts")
+    g.add_argument("--temperature", type=float, default=1.0 if on_gpu else 0.5,
+                   help="sampling temperature of the rollouts (0.5 on a CPU: after the short warm start, sampling at "
+                        "1.0 breaks most queries and leaves almost every group all wrong; README, Results)")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--frontier-share", type=float, default=0.75,
                    help="share of a step's tasks drawn from the frontier (train tasks whose last group was mixed); "
@@ -760,6 +762,7 @@ def step_record(step, groups, rewards, counts, stats, **extra):
         "tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(1, sum(t.num_tool_calls for t in trajectories)),
         **behaviour(trajectories),
         "gen_tokens": sum(sum(t.assistant_mask) for t in trajectories),
+        "rollout_entropy": grpo.sampled_entropy(trajectories),   # every rollout's, trained or not (stats' entropy: the trained)
         **extra,
         **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
     }

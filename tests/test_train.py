@@ -67,6 +67,8 @@ def test_two_steps_change_the_lora_weights(tiny_model_dir, tmp_path, scripted_ju
         assert {"eval_failed_submit_rate", "eval_describe_rate", "eval_turns_to_submit", "test_schema_accuracy",
                 "test_schema_failed_submit_rate", "test_schema_describe_rate"} <= set(r)
     assert all({"submit_rate", "failed_submit_rate", "describe_rate", "turns_to_submit"} <= set(r) for r in steps)
+    for r in steps:   # every rollout was trained on, so the two entropy estimates read the same tokens
+        assert r["rollout_entropy"] > 0 and r["rollout_entropy"] == pytest.approx(r["entropy"])
     lora_b = {k: v for k, v in adapter_tensors(out / "final").items() if "lora_B" in k}
     assert lora_b and any(v.abs().max() > 0 for v in lora_b.values()), "B starts at zero and must have moved"
     lines = open(out / "trajectories" / "step_0002.jsonl").read().splitlines()
