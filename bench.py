@@ -251,9 +251,9 @@ def bench_judge(args):
     """Judge prompt tokens per group: naive vs RULER-style vs trie serialization (judge.py).
 
     Real groups: 8 rollouts each of the embedded model on 4 tasks of the default train split,
-    at two temperatures: 1.0 (the trainer's default; the untrained model's first turns all
-    differ, so only the common prefix can be shared) and 0.5 (a policy that has started to
-    agree with itself, as training makes it: same first tool calls, shared by some rows).
+    at two temperatures: 1.0 (the trainer's GPU default; the untrained model's first turns all
+    differ, so only the common prefix can be shared) and 0.5 (the CPU default; a policy that has
+    started to agree with itself, as training makes it: same first tool calls, shared by some rows).
     Each prompt is the full judge chat (system prompt with rubric + serialized group) under the
     chat template, counted with the embedded tokenizer. The trie layout is given every
     trajectory, duplicates included, so the dedup that score_group adds does not flatter it.
