@@ -27,7 +27,11 @@ The splits (`SPLITS`):
   templates that combine skills seen separately in train are used only in test;
 - test_schema: the test questions again, on the held-out rendering, whose table names appear
   in no training rendering: what an agent that reads the schema, rather than remembering one,
-  can still answer.
+  can still answer;
+- train_mixed: train's questions again, spread over the four training renderings and 28
+  generated ones (`MIXED_RENDERINGS`): each table's words drawn from a training rendering, the
+  names restyled and, in 21 of the 28, the table names prefixed (dw_clients, DwTblProduct), so
+  that no one schema can be recalled. Rendering 0, which test uses, gets 1/32 of it, not 1/4.
 Every gold query is run when the set is generated (about a second) and kept only if its answer
 is non-empty, short, and the same whichever way ties are broken (`is_clear`).
 
@@ -50,7 +54,7 @@ from typing import NamedTuple
 
 from files import atomic_path, cache_dir
 
-SPLITS = ("train", "test", "test_schema")
+SPLITS = ("train", "test", "test_schema", "train_mixed")
 
 # The schema of the world, with markers for every name (a rendering writes its own names in).
 SCHEMA = """
@@ -88,7 +92,8 @@ COLUMNS = {
     "order_items": "order_id product_id quantity unit_price",
 }
 # Each rendering names every logical table, then its columns in the order of COLUMNS. A foreign
-# key is named like the key it references, in the referencing table's style.
+# key is named like the key it references, in the referencing table's style (in the generated
+# renderings below, each table keeps its own rendering's name for it: StoreId -> TblStore.StId).
 RENDERINGS = [
     ("plain", {  # the original names: snake_case, plural
         "stores": "stores store_id name city country opened_on",
@@ -133,6 +138,48 @@ RENDERINGS = [
 ]
 HELD_OUT_RENDERING = len(RENDERINGS) - 1                 # never trained on: the test_schema split
 TRAIN_RENDERINGS = tuple(range(HELD_OUT_RENDERING))
+NAME_PREFIXES = ("", "", "app", "biz", "core", "crm", "dw", "erp", "main", "src")   # "": no prefix, 1 draw in 5
+
+
+def restyle(name, style, prefix=""):
+    """A name in snake_case or CamelCase, after an optional prefix: ("CustomerId", "snake") ->
+    "customer_id", ("order_items", "camel", "crm") -> "CrmOrderItems"."""
+    words = ([prefix] if prefix else []) + re.sub(r"(?<=[a-z0-9])(?=[A-Z])", "_", name).lower().split("_")
+    return "_".join(words) if style == "snake" else "".join(w.capitalize() for w in words)
+
+
+def _mixed_rendering(k, taken):
+    """The k-th generated rendering: each table takes its names (table and columns, foreign keys
+    included, so a join may pair OrdId with CustomerId) from a training rendering drawn for it, then
+    every name is restyled (snake_case or CamelCase) and every table name gets one prefix (or
+    none), both drawn for the rendering. The words stay the training renderings' (restyled, some
+    are the held-out schema's column names: GivenName, Town), but their combination is new, so an
+    agent has to read the table list, not recall one schema. Redrawn until its table names differ
+    from every rendering in `taken` (SQLite ignores case); one table alone may still match a
+    hand-written one."""
+    rng = random.Random(f"mixed/{k}")
+    while True:
+        style, prefix = rng.choice(("snake", "camel")), rng.choice(NAME_PREFIXES)
+        spec = {}
+        for table in COLUMNS:
+            first, *columns = RENDERINGS[rng.choice(TRAIN_RENDERINGS)][1][table].split()
+            spec[table] = " ".join([restyle(first, style, prefix)] + [restyle(c, style) for c in columns])
+        tables = frozenset(names.split()[0].lower() for names in spec.values())
+        if tables not in taken:
+            return (f"mixed{k:02d}", spec), tables
+
+
+def _mixed_renderings(count):
+    taken, out = {frozenset(s.split()[0].lower() for s in spec.values()) for _, spec in RENDERINGS}, []
+    for k in range(count):
+        rendering, tables = _mixed_rendering(k, taken)
+        taken.add(tables)
+        out.append(rendering)
+    return out
+
+
+MIXED_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))   # the train_mixed split's own
+RENDERINGS += _mixed_renderings(len(MIXED_RENDERINGS))
 _MARKER = re.compile(r"\[(\w+)(?:\.(\w+))?\]")            # [table], [table.column] or [alias.column]
 
 
@@ -503,11 +550,13 @@ def questions(seed=0):
 
 def split_questions(split, seed=0):
     """[(tier, question, gold_sql, rendering)] of one of SPLITS: train spreads its questions over
-    the training renderings (the i-th question of the seeded shuffle on rendering i mod 4); test
-    is on rendering 0; test_schema is test on the held-out rendering."""
+    the training renderings (the i-th question of the seeded shuffle on rendering i mod 4), and
+    train_mixed over those and the generated ones (i mod 32); test is on rendering 0; test_schema
+    is test on the held-out rendering."""
     assert split in SPLITS, f"the embedded question set has splits {', '.join(SPLITS)}, not {split!r}"
-    if split == "train":
-        chosen = [(q, TRAIN_RENDERINGS[i % len(TRAIN_RENDERINGS)]) for i, q in enumerate(questions(seed)["train"])]
+    if split in ("train", "train_mixed"):
+        spread = TRAIN_RENDERINGS + (MIXED_RENDERINGS if split == "train_mixed" else ())
+        chosen = [(q, spread[i % len(spread)]) for i, q in enumerate(questions(seed)["train"])]
     else:
         rendering = 0 if split == "test" else HELD_OUT_RENDERING
         chosen = [(q, rendering) for q in questions(seed)["test"]]

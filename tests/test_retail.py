@@ -144,11 +144,54 @@ def test_every_gold_result_is_the_same_under_every_rendering(cache):
     rendering's database what rendering 0's returns: the renderings are one world under other
     names, so a question keeps its answer whichever schema it is asked on."""
     cons = [sqlite3.connect(retail.database_path(rendering=r)) for r in range(len(retail.RENDERINGS))]
-    for q in retail.questions()["train"] + retail.questions()["test"]:
-        assert len(set(q.golds)) == len(cons), f"two renderings gave the same SQL: {q.golds}"
+    hand_written = retail.HELD_OUT_RENDERING + 1
+    everything = retail.questions()["train"] + retail.questions()["test"]
+    for i, q in enumerate(everything):
+        assert len(set(q.golds[:hand_written])) == hand_written, f"two renderings gave the same SQL: {q.golds}"
         expected = result(cons[0], q.golds[0])
-        for con, gold in zip(cons[1:], q.golds[1:]):
-            assert result(con, gold) == expected, (q.golds[0], gold)
+        renderings = range(1, len(cons)) if i % 8 == 0 else range(1, hand_written)   # the generated: every 8th question
+        for r in renderings:
+            assert result(cons[r], q.golds[r]) == expected, (q.golds[0], q.golds[r])
+
+
+def test_train_mixed_asks_train_over_generated_renderings_with_the_same_answers(splits):
+    """train_mixed is train's questions, in train's order, spread evenly over the training renderings
+    and the generated ones (never the held-out one), each gold query answering on its rendering
+    what train's gold query answers on its own."""
+    paths = {retail.database_path(rendering=r): r for r in retail.TRAIN_RENDERINGS + retail.MIXED_RENDERINGS}
+    counts = Counter(t.db_path for t in splits["train_mixed"])
+    assert set(counts) == set(paths) and max(counts.values()) - min(counts.values()) <= 1
+    assert len(retail.MIXED_RENDERINGS) >= 16 and retail.HELD_OUT_RENDERING not in retail.MIXED_RENDERINGS
+    cons = {}
+    for plain, mixed in zip(splits["train"], splits["train_mixed"], strict=True):
+        assert (plain.question, plain.difficulty) == (mixed.question, mixed.difficulty)
+        for task in (plain, mixed):
+            cons.setdefault(task.db_path, sqlite3.connect(task.db_path))
+        assert result(cons[mixed.db_path], mixed.gold_sql) == result(cons[plain.db_path], plain.gold_sql), mixed.gold_sql
+
+
+def test_generated_renderings_mix_the_training_words_under_new_names(cache):
+    """Each generated rendering takes every table's words from one training rendering, in one style
+    (snake_case or CamelCase) and with one prefix (or none); together they are a combination no
+    other rendering has, and no table is named as a held-out one."""
+    def tables(rendering):
+        return frozenset(name.lower() for name in retail.names(rendering)[0].values())
+    held_out = tables(retail.HELD_OUT_RENDERING)
+    everyone = [tables(r) for r in range(len(retail.RENDERINGS))]
+    assert len(set(everyone)) == len(everyone), "two renderings name their tables alike"
+    drawn = set()
+    for r in retail.MIXED_RENDERINGS:
+        assert not tables(r) & held_out
+        specs = retail.RENDERINGS[r][1]
+        ways = {(style, prefix) for style in ("snake", "camel") for prefix in retail.NAME_PREFIXES
+                if all(any(specs[table] == " ".join([retail.restyle(first, style, prefix)] + [retail.restyle(c, style) for c in columns])
+                           for first, *columns in (retail.RENDERINGS[t][1][table].split() for t in retail.TRAIN_RENDERINGS))
+                       for table in retail.COLUMNS)}
+        assert len(ways) == 1, (retail.RENDERINGS[r][0], ways)   # one style and one prefix for every table
+        drawn |= ways
+    assert {style for style, _ in drawn} == {"snake", "camel"} and len({prefix for _, prefix in drawn}) >= 5
+    assert retail.restyle("CustomerId", "snake") == "customer_id"
+    assert retail.restyle("order_items", "camel", "crm") == "CrmOrderItems"
 
 
 def test_held_out_rendering_shares_no_table_name_with_training(cache):
