@@ -148,6 +148,18 @@ def restyle(name, style, prefix=""):
     return "_".join(words) if style == "snake" else "".join(w.capitalize() for w in words)
 
 
+def restyle_table(entry, style, prefix=""):
+    """One table of a rendering, "table column ...", restyled: every name in `style`, the table's
+    name alone after the prefix."""
+    first, *columns = entry.split()
+    return " ".join([restyle(first, style, prefix)] + [restyle(c, style) for c in columns])
+
+
+def _table_names(spec):
+    """A rendering's table names as SQLite compares them (case ignored)."""
+    return frozenset(entry.split()[0].lower() for entry in spec.values())
+
+
 def _mixed_rendering(k, taken):
     """The k-th generated rendering: each table takes its names (table and columns, foreign keys
     included, so a join may pair OrdId with CustomerId) from a training rendering drawn for it, then
@@ -160,21 +172,17 @@ def _mixed_rendering(k, taken):
     rng = random.Random(f"mixed/{k}")
     while True:
         style, prefix = rng.choice(("snake", "camel")), rng.choice(NAME_PREFIXES)
-        spec = {}
-        for table in COLUMNS:
-            first, *columns = RENDERINGS[rng.choice(TRAIN_RENDERINGS)][1][table].split()
-            spec[table] = " ".join([restyle(first, style, prefix)] + [restyle(c, style) for c in columns])
-        tables = frozenset(names.split()[0].lower() for names in spec.values())
-        if tables not in taken:
-            return (f"mixed{k:02d}", spec), tables
+        spec = {table: restyle_table(RENDERINGS[rng.choice(TRAIN_RENDERINGS)][1][table], style, prefix)
+                for table in COLUMNS}
+        if _table_names(spec) not in taken:
+            return f"mixed{k:02d}", spec
 
 
 def _mixed_renderings(count):
-    taken, out = {frozenset(s.split()[0].lower() for s in spec.values()) for _, spec in RENDERINGS}, []
+    taken, out = {_table_names(spec) for _, spec in RENDERINGS}, []
     for k in range(count):
-        rendering, tables = _mixed_rendering(k, taken)
-        taken.add(tables)
-        out.append(rendering)
+        out.append(_mixed_rendering(k, taken))
+        taken.add(_table_names(out[-1][1]))
     return out
 
 

@@ -184,14 +184,14 @@ def test_generated_renderings_mix_the_training_words_under_new_names(cache):
         assert not tables(r) & held_out
         specs = retail.RENDERINGS[r][1]
         ways = {(style, prefix) for style in ("snake", "camel") for prefix in retail.NAME_PREFIXES
-                if all(any(specs[table] == " ".join([retail.restyle(first, style, prefix)] + [retail.restyle(c, style) for c in columns])
-                           for first, *columns in (retail.RENDERINGS[t][1][table].split() for t in retail.TRAIN_RENDERINGS))
-                       for table in retail.COLUMNS)}
+                if all(any(specs[table] == retail.restyle_table(retail.RENDERINGS[t][1][table], style, prefix)
+                           for t in retail.TRAIN_RENDERINGS) for table in retail.COLUMNS)}
         assert len(ways) == 1, (retail.RENDERINGS[r][0], ways)   # one style and one prefix for every table
         drawn |= ways
     assert {style for style, _ in drawn} == {"snake", "camel"} and len({prefix for _, prefix in drawn}) >= 5
     assert retail.restyle("CustomerId", "snake") == "customer_id"
     assert retail.restyle("order_items", "camel", "crm") == "CrmOrderItems"
+    assert retail.restyle_table("tbl_order ord_id cust_id", "camel", "dw") == "DwTblOrder OrdId CustId"
 
 
 def test_held_out_rendering_shares_no_table_name_with_training(cache):
