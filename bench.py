@@ -15,7 +15,7 @@
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
     python bench.py scale     # train.py steps per minute on 1 process and on 2 (torchrun), rollout vs update
-    python bench.py allocator # a short run's peak memory and phase times: glibc's malloc as it comes vs a 1 MiB mmap threshold
+    python bench.py allocator # a short run's peak memory and phase times: activations kept (two mallocs) vs recomputed
 
 Each benchmark measures the baseline and ours in the same run and prints them side by side,
 with the ratio: the machines are shared and noisy, so only ratios are worth quoting.
@@ -987,24 +987,28 @@ def mean_or_nan(values):
 
 
 def bench_allocator(args):
-    """What glibc's malloc keeps of the default run's memory, and what handing it back costs: a
-    short train.py run with every phase (base evaluation, 2 SFT steps, SFT evaluation, 2 GRPO steps
-    that each update (scripted rewards), final evaluation), once with glibc's malloc as it comes
-    (--malloc-mmap-threshold 0, the default) and once with train.LEAN_MMAP_THRESHOLD
-    (release_freed_memory), each in a fresh process. The peak is the child's maximum resident set
-    (os.wait4's rusage); the times are train.py's own per phase, and the whole run's."""
+    """Where the default run's peak memory goes, and what each way down costs in time: a short
+    train.py run with every phase (base evaluation, 2 SFT steps, SFT evaluation, 2 GRPO steps that
+    each update (scripted rewards), final evaluation), three ways, each in a fresh process: every
+    layer's activations kept for the backward, with glibc's malloc as it comes (the old default);
+    the same with train.LEAN_MMAP_THRESHOLD (release_freed_memory: freed blocks handed back at
+    once); and layers recomputed in the backward (--grad-checkpointing, the default), glibc as it
+    comes. The peak is the child's maximum resident set (os.wait4's rusage); the times are
+    train.py's own per phase, and the whole run's; ratios are against the first row."""
     import train
     out = os.path.join("runs", "bench_allocator")
     flags = [*ALLOCATOR_RUN, "--seed", str(args.seed), *args.train_flags]
     lean = f"{train.LEAN_MMAP_THRESHOLD >> 20} MiB"
-    variants = {"glibc's own": 0, lean: train.LEAN_MMAP_THRESHOLD}
+    variants = {"all kept, glibc's own": ["--no-grad-checkpointing", "--malloc-mmap-threshold", "0"],
+                f"all kept, {lean}": ["--no-grad-checkpointing", "--malloc-mmap-threshold", str(train.LEAN_MMAP_THRESHOLD)],
+                "recomputed, glibc's own": ["--grad-checkpointing", "--malloc-mmap-threshold", "0"]}
     env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
     rows = {}
-    for name, threshold in variants.items():
-        run_dir = os.path.join(out, f"threshold_{threshold}")
+    for i, (name, variant_flags) in enumerate(variants.items()):
+        run_dir = os.path.join(out, f"variant_{i}")
         shutil.rmtree(run_dir, ignore_errors=True)
         print(f"running {name} ...", flush=True)
-        argv = flags + ["--malloc-mmap-threshold", str(threshold), "--out", run_dir]
+        argv = flags + variant_flags + ["--out", run_dir]     # the variant's flags win over the same flags given
         t0 = time.perf_counter()
         child = subprocess.Popen([sys.executable, os.path.abspath(__file__)], stdout=subprocess.DEVNULL,
                                  env={**env, TRAIN_WORKER: json.dumps(argv)})
@@ -1021,15 +1025,16 @@ def bench_allocator(args):
                       "updates": sum(not r["skipped"] for r in steps)}
     print(f"\nallocator: train.py {' '.join(flags)} (scripted rewards), "
           f"threads: {os.environ.get('OMP_NUM_THREADS') or torch.get_num_threads()}")
-    print(f"{'malloc mmap threshold':<24}{'peak resident':>14}{'run s':>8}{'SFT step s':>11}{'rollout s':>10}"
+    print(f"{'activations, malloc':<26}{'peak resident':>14}{'run s':>8}{'SFT step s':>11}{'rollout s':>10}"
           f"{'update s':>9}{'updates':>8}")
     for name, r in rows.items():
-        print(f"{name:<24}{r['peak_gib']:>10.2f} GiB{r['run_s']:>8.0f}{r['sft_s']:>11.1f}{r['rollout_s']:>10.1f}"
+        print(f"{name:<26}{r['peak_gib']:>10.2f} GiB{r['run_s']:>8.0f}{r['sft_s']:>11.1f}{r['rollout_s']:>10.1f}"
               f"{r['update_s']:>9.1f}{r['updates']:>8}")
-    base, ours = rows.values()
-    print(f"{lean} / glibc's own: peak {ours['peak_gib'] / base['peak_gib']:.2f}x | run time "
-          f"{ours['run_s'] / base['run_s']:.2f}x | SFT step {ours['sft_s'] / base['sft_s']:.2f}x | rollout "
-          f"{ours['rollout_s'] / base['rollout_s']:.2f}x | update {ours['update_s'] / base['update_s']:.2f}x")
+    (base_name, base), *others = rows.items()
+    for name, r in others:
+        print(f"{name} / {base_name}: peak {r['peak_gib'] / base['peak_gib']:.2f}x | run time "
+              f"{r['run_s'] / base['run_s']:.2f}x | SFT step {r['sft_s'] / base['sft_s']:.2f}x | rollout "
+              f"{r['rollout_s'] / base['rollout_s']:.2f}x | update {r['update_s'] / base['update_s']:.2f}x")
 
 
 def bench_gpu(args):

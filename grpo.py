@@ -179,8 +179,10 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=N
         past = {prefix.keyword: prefix.cache(B)}
     # a checkpointed layer may keep the prefix's cache: it only reads (SharedPrefix says why)
     with checkpointing_keeps_cache(model) if prefix is not None else nullcontext():
+        # use_cache=False: the prefix's cache, when there is one, is passed as it is; use_cache only
+        # asks the model to make a new one (and makes a checkpointed layer warn that it cannot)
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                  use_cache=prefix is not None, **past).last_hidden_state  # (B, T, H)
+                                  use_cache=False, **past).last_hidden_state  # (B, T, H)
     # position t - 1 predicts token t: keep the (N, H) rows whose target is wanted, N <= B * (T - 1)
     wanted = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
     hidden, targets = hidden[:, :-1][wanted], input_ids[:, 1:][wanted]  # (N, H), (N,)
@@ -224,7 +226,7 @@ class SharedPrefix:
         ids = torch.tensor([token_ids], device=next(model.parameters()).device)  # (1, P)
         with checkpointing_keeps_cache(model):
             model.base_model(input_ids=ids, position_ids=torch.arange(self.length, device=ids.device)[None],
-                             use_cache=True, **{self.keyword: recorder})
+                             use_cache=False, **{self.keyword: recorder})   # the recorder is used as given
         self.outputs = [recorder.recorded[i] for i in range(len(recorder.recorded))]  # in the prefix's autograd graph
         self.leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
                        for k, v in self.outputs]                              # where the micro-batches stop

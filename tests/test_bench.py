@@ -2,6 +2,8 @@
 
 Run: python -m pytest -q tests/test_bench.py
 """
+import json
+import os
 import re
 
 import pytest
@@ -180,9 +182,10 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
     assert parts["matmuls"] + parts["attention"] < wall
 
 
-def test_allocator_bench_runs_both_settings_and_prints_their_ratio(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench.py allocator end to end on the tiny model: two fresh train.py runs, each row with its
-    peak resident set and its updates, then the ratio line."""
+def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """bench.py allocator end to end on the tiny model: three fresh train.py runs (activations kept
+    under two malloc settings, then recomputed), each row with its peak resident set and its
+    updates, each run with its own flags, then the ratio lines against the first."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr(bench, "ALLOCATOR_RUN", ["--sft-steps", "0", "--steps", "1", "--eval-size", "1", "--eval-split", "test",
                                                  "--no-start-eval"])
@@ -190,7 +193,11 @@ def test_allocator_bench_runs_both_settings_and_prints_their_ratio(tiny_model_di
                                      "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4", "--judge", "none"])
     bench.main()
     out = capsys.readouterr().out
-    rows = re.findall(r"^(glibc's own|1 MiB) +([\d.]+) GiB .* (\d+)$", out, re.M)
-    assert [name for name, _, _ in rows] == ["glibc's own", "1 MiB"], out
+    names = ["all kept, glibc's own", "all kept, 1 MiB", "recomputed, glibc's own"]
+    rows = re.findall(r"^((?:all kept|recomputed), [^ ]+(?: own| MiB)) +([\d.]+) GiB .* (\d+)$", out, re.M)
+    assert [name for name, _, _ in rows] == names, out
     assert all(float(peak) > 0.1 and updates == "1" for _, peak, updates in rows), out
-    assert re.search(r"1 MiB / glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out
+    configs = [json.load(open(os.path.join("runs", "bench_allocator", f"variant_{i}", "config.json"))) for i in range(3)]
+    assert [(c["grad_checkpointing"], c["malloc_mmap_threshold"]) for c in configs] == [(False, 0), (False, 1 << 20), (True, 0)]
+    for name in names[1:]:
+        assert re.search(rf"{re.escape(name)} / all kept, glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out
