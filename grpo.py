@@ -64,7 +64,7 @@ class GRPOConfig:
     max_tokens: int | None = None     # Dr. GRPO's constant, the generation budget; None = the step's longest
     kl_coef: float = 0.0              # beta of the k3 KL to the reference policy; 0 = no reference forward (DAPO)
     max_grad_norm: float = 1.0        # global gradient-norm clip
-    gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, ~1/3 more compute
+    gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, more time (train.py: on; bench.py allocator)
     shared_prefix: bool = True        # forward the prompt all sequences start with once per step (SharedPrefix)
     amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
     epochs: int = 1                   # passes over one batch of rollouts (grpo_update)
