@@ -31,7 +31,11 @@ The splits (`SPLITS`):
 - train_mixed: train's questions again, spread over the four training renderings and 28
   generated ones (`MIXED_RENDERINGS`): each table's words drawn from a training rendering, the
   names restyled and, in 21 of the 28, the table names prefixed (dw_clients, DwTblProduct), so
-  that no one schema can be recalled. Rendering 0, which test uses, gets 1/32 of it, not 1/4.
+  that no one schema can be recalled. Rendering 0, which test uses, gets 1/32 of it, not 1/4;
+- train_wide: the same over 28 other generated renderings (`WIDE_RENDERINGS`) in which three
+  tables in four are renamed with a word no hand-written rendering uses (`TABLE_WORDS`: patrons,
+  merchandise, invoices), their columns unchanged: the question says "customers", and the table
+  that holds them has to be found by its columns, as on the held-out schema.
 Every gold query is run when the set is generated (about a second) and kept only if its answer
 is non-empty, short, and the same whichever way ties are broken (`is_clear`).
 
@@ -54,7 +58,7 @@ from typing import NamedTuple
 
 from files import atomic_path, cache_dir
 
-SPLITS = ("train", "test", "test_schema", "train_mixed")
+SPLITS = ("train", "test", "test_schema", "train_mixed", "train_wide")
 
 # The schema of the world, with markers for every name (a rendering writes its own names in).
 SCHEMA = """
@@ -160,7 +164,7 @@ def _table_names(spec):
     return frozenset(entry.split()[0].lower() for entry in spec.values())
 
 
-def _mixed_rendering(k, taken):
+def _mixed_rendering(k, taken, kind="mixed"):
     """The k-th generated rendering: each table takes its names (table and columns, foreign keys
     included, so a join may pair OrdId with CustomerId) from a training rendering drawn for it, then
     every name is restyled (snake_case or CamelCase) and every table name gets one prefix (or
@@ -168,26 +172,46 @@ def _mixed_rendering(k, taken):
     are the held-out schema's column names: GivenName, Town), but their combination is new, so an
     agent has to read the table list, not recall one schema. Redrawn until its table names differ
     from every rendering in `taken` (SQLite ignores case); one table alone may still match a
-    hand-written one."""
-    rng = random.Random(f"mixed/{k}")
+    hand-written one. kind "wide" then renames three tables in four with a word of TABLE_WORDS
+    (its columns keep their names: patrons(customer_id, first_name, ...)), so that the table a
+    question means is found by its columns, not by the question's noun."""
+    rng = random.Random(f"{kind}/{k}")
     while True:
         style, prefix = rng.choice(("snake", "camel")), rng.choice(NAME_PREFIXES)
         spec = {table: restyle_table(RENDERINGS[rng.choice(TRAIN_RENDERINGS)][1][table], style, prefix)
                 for table in COLUMNS}
+        if kind == "wide":
+            for table, entry in spec.items():
+                if rng.random() < 0.75:
+                    spec[table] = " ".join([restyle(rng.choice(TABLE_WORDS[table].split()), style, prefix)]
+                                           + entry.split()[1:])
         if _table_names(spec) not in taken:
-            return f"mixed{k:02d}", spec
+            return f"{kind}{k:02d}", spec
 
 
-def _mixed_renderings(count):
+def _mixed_renderings(count, kind="mixed"):
     taken, out = {_table_names(spec) for _, spec in RENDERINGS}, []
     for k in range(count):
-        out.append(_mixed_rendering(k, taken))
+        out.append(_mixed_rendering(k, taken, kind))
         taken.add(_table_names(out[-1][1]))
     return out
 
 
+# Other words for each table, for the train_wide split's renderings; none is a table word of any
+# hand-written rendering (the held-out one's least of all), nor an SQL keyword.
+TABLE_WORDS = {
+    "stores": "branches locations sites venues boutiques",
+    "employees": "personnel associates clerks team_members agents",
+    "categories": "sections families classes kinds genres",
+    "products": "goods merchandise skus wares catalog_entries",
+    "customers": "patrons shoppers members accounts consumers",
+    "orders": "transactions invoices bookings baskets receipts",
+    "order_items": "invoice_lines line_items basket_items receipt_lines positions",
+}
 MIXED_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))   # the train_mixed split's own
 RENDERINGS += _mixed_renderings(len(MIXED_RENDERINGS))
+WIDE_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))    # the train_wide split's own
+RENDERINGS += _mixed_renderings(len(WIDE_RENDERINGS), kind="wide")
 _MARKER = re.compile(r"\[(\w+)(?:\.(\w+))?\]")            # [table], [table.column] or [alias.column]
 
 
@@ -559,11 +583,11 @@ def questions(seed=0):
 def split_questions(split, seed=0):
     """[(tier, question, gold_sql, rendering)] of one of SPLITS: train spreads its questions over
     the training renderings (the i-th question of the seeded shuffle on rendering i mod 4), and
-    train_mixed over those and the generated ones (i mod 32); test is on rendering 0; test_schema
-    is test on the held-out rendering."""
+    train_mixed and train_wide over those and their own generated ones (i mod 32); test is on
+    rendering 0; test_schema is test on the held-out rendering."""
     assert split in SPLITS, f"the embedded question set has splits {', '.join(SPLITS)}, not {split!r}"
-    if split in ("train", "train_mixed"):
-        spread = TRAIN_RENDERINGS + (MIXED_RENDERINGS if split == "train_mixed" else ())
+    if split in ("train", "train_mixed", "train_wide"):
+        spread = TRAIN_RENDERINGS + {"train": (), "train_mixed": MIXED_RENDERINGS, "train_wide": WIDE_RENDERINGS}[split]
         chosen = [(q, spread[i % len(spread)]) for i, q in enumerate(questions(seed)["train"])]
     else:
         rendering = 0 if split == "test" else HELD_OUT_RENDERING

@@ -88,7 +88,7 @@ def parse_args(argv=None):
     g = p.add_argument_group("data")
     g.add_argument("--data", default="default", help="'default' (embedded), or a Spider or BIRD folder")
     g.add_argument("--train-split", default="train",
-                   help="split to train on (embedded set: train, or train_mixed on 32 schema renderings)")
+                   help="split to train on (embedded set: train; train_mixed or train_wide on 32 schema renderings)")
     g.add_argument("--eval-split", default=None,
                    help="held-out split(s) to evaluate on, comma-separated; the first is logged as eval_*, each other "
                         "under its own name (test_schema_accuracy, ...). Default: test,test_schema (new wordings and "

@@ -154,16 +154,19 @@ def test_every_gold_result_is_the_same_under_every_rendering(cache):
             assert result(cons[r], q.golds[r]) == expected, (q.golds[0], q.golds[r])
 
 
-def test_train_mixed_asks_train_over_generated_renderings_with_the_same_answers(splits):
-    """train_mixed is train's questions, in train's order, spread evenly over the training renderings
-    and the generated ones (never the held-out one), each gold query answering on its rendering
-    what train's gold query answers on its own."""
-    paths = {retail.database_path(rendering=r): r for r in retail.TRAIN_RENDERINGS + retail.MIXED_RENDERINGS}
-    counts = Counter(t.db_path for t in splits["train_mixed"])
+@pytest.mark.parametrize("split, generated", [("train_mixed", retail.MIXED_RENDERINGS),
+                                              ("train_wide", retail.WIDE_RENDERINGS)])
+def test_train_mixed_asks_train_over_generated_renderings_with_the_same_answers(splits, split, generated):
+    """train_mixed (and train_wide) is train's questions, in train's order, spread evenly over the
+    training renderings and its own generated ones (never the held-out one), each gold query
+    answering on its rendering what train's gold query answers on its own."""
+    paths = {retail.database_path(rendering=r): r for r in retail.TRAIN_RENDERINGS + generated}
+    counts = Counter(t.db_path for t in splits[split])
     assert set(counts) == set(paths) and max(counts.values()) - min(counts.values()) <= 1
-    assert len(retail.MIXED_RENDERINGS) >= 16 and retail.HELD_OUT_RENDERING not in retail.MIXED_RENDERINGS
+    assert len(generated) >= 16 and retail.HELD_OUT_RENDERING not in generated
+    assert not set(retail.MIXED_RENDERINGS) & set(retail.WIDE_RENDERINGS)
     cons = {}
-    for plain, mixed in zip(splits["train"], splits["train_mixed"], strict=True):
+    for plain, mixed in zip(splits["train"], splits[split], strict=True):
         assert (plain.question, plain.difficulty) == (mixed.question, mixed.difficulty)
         for task in (plain, mixed):
             cons.setdefault(task.db_path, sqlite3.connect(task.db_path))
@@ -192,6 +195,43 @@ def test_generated_renderings_mix_the_training_words_under_new_names(cache):
     assert retail.restyle("CustomerId", "snake") == "customer_id"
     assert retail.restyle("order_items", "camel", "crm") == "CrmOrderItems"
     assert retail.restyle_table("tbl_order ord_id cust_id", "camel", "dw") == "DwTblOrder OrdId CustId"
+
+
+def test_wide_renderings_rename_tables_with_new_words_and_keep_their_columns(cache):
+    """Each train_wide rendering is a mixed one (one training rendering's entry per table, one style,
+    one prefix) in which some tables are renamed with a TABLE_WORDS word, columns untouched: most
+    tables in all, in every rendering at least one. No such word is a hand-written table's word,
+    so the held-out names stay unseen."""
+    hand_written = {retail.restyle(entry.split()[0], "snake") for _, spec in retail.RENDERINGS[:retail.HELD_OUT_RENDERING + 1]
+                    for entry in spec.values()}
+    words = {table: set(retail.TABLE_WORDS[table].split()) for table in retail.COLUMNS}
+    assert not set().union(*words.values()) & hand_written
+    held_out = {name.lower() for name in retail.names(retail.HELD_OUT_RENDERING)[0].values()}
+    renamed = 0
+    for r in retail.WIDE_RENDERINGS:
+        specs = retail.RENDERINGS[r][1]
+        assert not {name.lower() for name in retail.names(r)[0].values()} & held_out
+        ways = set()
+        for style in ("snake", "camel"):
+            for prefix in retail.NAME_PREFIXES:
+                kept, new = 0, 0
+                for table in retail.COLUMNS:
+                    first, *columns = specs[table].split()
+                    for t in retail.TRAIN_RENDERINGS:
+                        drawn = retail.restyle_table(retail.RENDERINGS[t][1][table], style, prefix).split()
+                        if drawn == [first] + columns:
+                            kept += 1
+                            break
+                        if drawn[1:] == columns and any(first == retail.restyle(w, style, prefix) for w in words[table]):
+                            new += 1
+                            break
+                if kept + new == len(retail.COLUMNS):
+                    ways.add((style, prefix, new))
+        assert len(ways) == 1, (retail.RENDERINGS[r][0], ways)
+        ((_, _, new),) = ways
+        assert new >= 1, retail.RENDERINGS[r][0]
+        renamed += new
+    assert renamed > 0.6 * len(retail.WIDE_RENDERINGS) * len(retail.COLUMNS)
 
 
 def test_held_out_rendering_shares_no_table_name_with_training(cache):
