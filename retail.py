@@ -212,6 +212,7 @@ MIXED_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))   # the t
 RENDERINGS += _mixed_renderings(len(MIXED_RENDERINGS))
 WIDE_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))    # the train_wide split's own
 RENDERINGS += _mixed_renderings(len(WIDE_RENDERINGS), kind="wide")
+GENERATED_RENDERINGS = {"train": (), "train_mixed": MIXED_RENDERINGS, "train_wide": WIDE_RENDERINGS}   # per training split
 _MARKER = re.compile(r"\[(\w+)(?:\.(\w+))?\]")            # [table], [table.column] or [alias.column]
 
 
@@ -586,8 +587,8 @@ def split_questions(split, seed=0):
     train_mixed and train_wide over those and their own generated ones (i mod 32); test is on
     rendering 0; test_schema is test on the held-out rendering."""
     assert split in SPLITS, f"the embedded question set has splits {', '.join(SPLITS)}, not {split!r}"
-    if split in ("train", "train_mixed", "train_wide"):
-        spread = TRAIN_RENDERINGS + {"train": (), "train_mixed": MIXED_RENDERINGS, "train_wide": WIDE_RENDERINGS}[split]
+    if split in GENERATED_RENDERINGS:
+        spread = TRAIN_RENDERINGS + GENERATED_RENDERINGS[split]
         chosen = [(q, spread[i % len(spread)]) for i, q in enumerate(questions(seed)["train"])]
     else:
         rendering = 0 if split == "test" else HELD_OUT_RENDERING
