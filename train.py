@@ -19,7 +19,7 @@ the whole algorithm:
                          explore, weighted toward tiers the agent gets right about half the time
     2) rollouts          N trajectories per task, sampled with the current LoRA policy; with
                          --sample-rounds, more tasks until enough groups came out mixed (DAPO)
-    3) reward            reward = judge_score + bonus * correct (+ partial credit, an option)
+    3) reward            reward = judge_score + bonus * correct (+ partial or execution credit, options)
                          (one visible line, in score_groups)
     4) advantages        normalized within each group (grpo.batch_from_groups); all-equal groups
                          are skipped and counted, and so are rows the rollout cut on non-finite
@@ -126,6 +126,9 @@ def parse_args(argv=None):
     g.add_argument("--partial-credit", type=float, default=0.0,
                    help="reward added times the overlap of the submitted query's result rows with the gold result "
                         "(Jaccard; 0 when nothing ran): a denser signal that needs no gold SQL text. 0: off")
+    g.add_argument("--exec-credit", type=float, default=0.0,
+                   help="reward added when the submitted query runs without an error (every table and column it "
+                        "names exists): signal in groups that are all wrong, for reading the schema; needs no gold. 0: off")
     # supervised warm start (before GRPO)
     g = p.add_argument_group("supervised warm start")
     g.add_argument("--sft-steps", type=int, default=0 if on_gpu else 48,
@@ -199,8 +202,8 @@ def parse_args(argv=None):
             p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
     if args.group_size < 2 and not args.eval_only:
         p.error("--group-size must be >= 2: GRPO compares trajectories within a group")
-    if not 0 <= args.frontier_share <= 1 or args.partial_credit < 0:
-        p.error("--frontier-share must be in [0, 1] and --partial-credit >= 0")
+    if not 0 <= args.frontier_share <= 1 or args.partial_credit < 0 or args.exec_credit < 0:
+        p.error("--frontier-share must be in [0, 1], --partial-credit and --exec-credit >= 0")
     if not 0 < args.temperature <= 10 or not 0 < args.top_p <= 1:
         p.error("--temperature must be in (0, 10] and --top-p in (0, 1]")
     if args.data != "default" and not os.path.isdir(args.data):
@@ -626,7 +629,7 @@ def run_process(args, device):
 
         # 3) reward = judge score + bonus * correct (score_groups)
         rewards, results, judge_failed = score_groups(groups, judge_backend, rubric, args.bonus, judge_cache,
-                                                      args.partial_credit)
+                                                      args.partial_credit, args.exec_credit)
         t_judge = time.time() - t0 - t_rollout
 
         # 4) advantages within each group, flattened into the update's batch
@@ -716,10 +719,11 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 
 
-def score_groups(groups, judge_backend, rubric, bonus, cache_dir, partial_credit=0.0):
+def score_groups(groups, judge_backend, rubric, bonus, cache_dir, partial_credit=0.0, exec_credit=0.0):
     """Rewards, one list per group: the judge's relative score plus the correctness bonus, plus
     (partial_credit > 0) that weight times how much of the gold result the submitted query
-    returned (sql_env.result_overlap). A group the judge cannot score (or `--judge none`) keeps
+    returned (sql_env.result_overlap), plus (exec_credit > 0) that weight when a query was
+    submitted and ran without an error. A group the judge cannot score (or `--judge none`) keeps
     the rest.
     Returns (rewards, judge results, how many groups the judge failed to score)."""
     rewards, results, judge_failed = [], [], 0
@@ -734,7 +738,10 @@ def score_groups(groups, judge_backend, rubric, bonus, cache_dir, partial_credit
         scores = result.scores if result.scored else [0.0] * len(correct)
         overlap = [sql_env.result_overlap(group.task.db_path, t.submitted_sql, group.task.gold_sql)
                    if partial_credit and t.submitted_sql else 0.0 for t in group.trajectories]
-        rewards.append([score + bonus * c + partial_credit * o for score, c, o in zip(scores, correct, overlap)])  # the reward
+        ran = [float(t.submitted_sql is not None and not t.failed_submission) if exec_credit else 0.0
+               for t in group.trajectories]
+        rewards.append([score + bonus * c + partial_credit * o + exec_credit * e
+                        for score, c, o, e in zip(scores, correct, overlap, ran)])  # the reward
         results.append(result)
     return rewards, results, judge_failed
 

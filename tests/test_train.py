@@ -310,6 +310,23 @@ def test_partial_credit_is_one_weighted_term_of_the_reward(db):
     assert plain == [1.0, 0.0, 0.0, 0.0]
 
 
+def test_exec_credit_rewards_a_submitted_query_that_ran(db):
+    """reward = bonus * correct + exec_credit * (a query was submitted and ran): a group that is all
+    wrong still has signal when some of its queries name tables and columns that exist."""
+    from sql_env import Task
+    task = Task(id="t", db_path=db, question="q", gold_sql="SELECT COUNT(*) FROM customers")
+    rows = [("SELECT COUNT(*) FROM customers", True, False), ("SELECT COUNT(*) FROM orders", False, False),
+            ("SELECT COUNT(*) FROM clients", False, True), (None, False, False)]
+    group = SimpleNamespace(task=task, trajectories=[SimpleNamespace(submitted_sql=q, correct=c, failed_submission=f)
+                                                     for q, c, f in rows])
+    (rewards,), _, _ = train.score_groups([group], None, "", 1.0, None, exec_credit=0.25)
+    assert rewards == pytest.approx([1.25, 0.25, 0.0, 0.0])
+    all_wrong = SimpleNamespace(task=task, trajectories=group.trajectories[1:])
+    (plain,), _, _ = train.score_groups([all_wrong], None, "", 1.0, None)
+    (credited,), _, _ = train.score_groups([all_wrong], None, "", 1.0, None, exec_credit=0.25)
+    assert plain == [0.0, 0.0, 0.0] and credited == [0.25, 0.0, 0.0]   # no signal without the credit, some with it
+
+
 @pytest.mark.parametrize("extra", [["--epochs", "2", "--minibatches", "2"], ["--update", "rft"]])
 def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_dir, tmp_path, scripted_judge,
                                                                    monkeypatch, extra):
