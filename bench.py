@@ -868,7 +868,8 @@ def bench_learn(args):
     print(f"\nlearn: {per_split['SFT start'][splits[0]]['eval_tasks']} tasks per held-out split, greedy | SFT start "
           f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s = {extra} SFT steps")
     run = json.load(open(os.path.join(out, "grpo", "config.json")))
-    print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}, "
+    steered = f" steered toward {run['target_entropy']:g} nats" if run.get("target_entropy") else ""
+    print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}{steered}, "
           f"lr {run['lr']:g}, epochs {run['epochs']} x minibatches {run['minibatches']}, frontier share "
           f"{run['frontier_share']}, loss {run['loss']}; SFT lr {run['sft_lr']:g}, {run['sft_batch_size']} per step")
     header = "".join(f"{s + ' acc':>18}{'failed sub':>11}" for s in splits)
@@ -901,6 +902,7 @@ def bench_learn(args):
           f"fraction {mean('clip_frac_low', updated) + mean('clip_frac_high', updated):.3f}, KL to the sampler "
           f"{mean('kl_old', updated):.4f}, entropy {mean('entropy', updated):.3f} nats | train accuracy by step "
           + " ".join(f"{r['train_accuracy']:.2f}" for r in grpo_steps)
+          + (" | temperature by step " + " ".join(f"{r['temperature']:.2f}" for r in grpo_steps) if steered else "")
           + f" | step {grpo_s / len(grpo_steps):.0f} s, rollout {mean('time_rollout', grpo_steps) * len(grpo_steps) / grpo_s:.0%}")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))

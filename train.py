@@ -105,6 +105,9 @@ def parse_args(argv=None):
     g.add_argument("--temperature", type=float, default=1.0 if on_gpu else 0.5,
                    help="sampling temperature of the rollouts (0.5 on a CPU: after the short warm start, sampling at "
                         "1.0 breaks most queries and leaves almost every group all wrong; README, Results)")
+    g.add_argument("--target-entropy", type=float, default=0.0,
+                   help="steer the temperature, step by step, toward this mean -log p of the sampled tokens (nats; "
+                        "--temperature is the first step's); 0: a constant --temperature")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
     g.add_argument("--frontier-share", type=float, default=0.75,
                    help="share of a step's tasks drawn from the frontier (train tasks whose last group was mixed); "
@@ -206,6 +209,8 @@ def parse_args(argv=None):
         p.error("--frontier-share must be in [0, 1], --partial-credit and --exec-credit >= 0")
     if not 0 < args.temperature <= 10 or not 0 < args.top_p <= 1:
         p.error("--temperature must be in (0, 10] and --top-p in (0, 1]")
+    if args.target_entropy < 0:
+        p.error("--target-entropy must be >= 0 (0: a constant --temperature)")
     if args.data != "default" and not os.path.isdir(args.data):
         p.error(f"--data {args.data!r}: no such folder (expected 'default' or a Spider/BIRD folder)")
     if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
@@ -292,7 +297,8 @@ def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=0.75, exclude
     p(1-p) + a floor, p its running success rate) and a task in it, so that every task is seen now
     and then and a solved or hopeless one gets another chance. No task is picked twice in a step
     while its tier has others, nor one in `exclude` (the tasks a step already rolled out).
-    task_stats: {"tiers": {tier: running success rate}, "tasks": {task id: last group's pass rate}}.
+    task_stats: {"tiers": {tier: running success rate}, "tasks": {task id: last group's pass rate}}
+    (and, with --target-entropy, "temperature": the next step's).
     """
     by_id = {task.id: task for tier_tasks in tasks_by_tier.values() for task in tier_tasks}
     frontier = {tid: p for tid, p in sorted(task_stats["tasks"].items())
@@ -326,6 +332,25 @@ def update_task_stats(task_stats, groups, momentum=0.7):
         tier = group.task.difficulty
         task_stats["tiers"][tier] = momentum * task_stats["tiers"].get(tier, 0.5) + (1 - momentum) * accuracy
         task_stats["tasks"][group.task.id] = accuracy
+
+
+def next_temperature(temperature, entropy, target, gain=0.5, low=0.2, high=1.2):
+    """The next step's sampling temperature, steered toward a target entropy of the sampled tokens.
+
+    Which temperature gives groups with signal depends on how far SFT went: after a short warm
+    start, sampling hot breaks most queries and groups come out all wrong; after a long one, the
+    policy is so sure that groups come out all the same (README, Results). What both show is the
+    rollouts' mean -log p of the sampled tokens under the policy (grpo.sampled_entropy, every
+    rollout): high when sampling wanders, near zero when every row says the same. It rises with
+    the temperature (for p_T ∝ p^(1/T), d E_T[-log p] / d(1/T) = -Var_T[log p] <= 0), so a step in
+    log T toward the target is a controller: log T' = log T + gain * log(target / entropy),
+    clamped to [low, high]. If the entropy goes as T^a, each step closes a share gain * a of the
+    gap in log T: a is about 1.7 here (0.010 nats at 0.5 and 0.032 at 1.0 from one start), so
+    gain 0.5 closes 85% without overshooting, and damps the noise of one step's few rollouts.
+    """
+    if entropy <= 0 or not math.isfinite(entropy):    # nothing sampled, or only certain tokens: warm up
+        return min(high, temperature * 2 ** gain)
+    return min(high, max(low, temperature * (target / entropy) ** gain))
 
 
 # ----------------------------------------------------------------------------- warm start
@@ -617,11 +642,12 @@ def run_process(args, device):
         #    With --sample-rounds R > 1, DAPO's dynamic sampling: new tasks, round after round, until
         #    groups_per_step groups came out mixed (the others carry no signal) or R rounds ran
         groups = []
+        temperature = task_stats.get("temperature", args.temperature)   # --target-entropy steers it (next_temperature)
         for round_index in range(args.sample_rounds):
             round_seed = step_seed * args.sample_rounds + round_index
             tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(round_seed),
                                                 args.frontier_share, exclude={g.task.id for g in groups}))
-            sampling = agentrl.Sampling(temperature=args.temperature, top_p=args.top_p, seed=round_seed * world + rank)
+            sampling = agentrl.Sampling(temperature=temperature, top_p=args.top_p, seed=round_seed * world + rank)
             groups += agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
             if sum(0 < pass_rate(g) < 1 for g in groups) >= args.groups_per_step:
                 break
@@ -663,8 +689,10 @@ def run_process(args, device):
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
         record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed, **judge_counters(results),
-                             frontier_tasks=frontier_before, rollout_rounds=round_index + 1, **times,
-                             time_step=time.time() - t0)
+                             frontier_tasks=frontier_before, rollout_rounds=round_index + 1, temperature=temperature,
+                             **times, time_step=time.time() - t0)
+        if args.target_entropy:     # the sampler's state, like the pass rates: checkpointed, the same on every process
+            task_stats["temperature"] = next_temperature(temperature, record["rollout_entropy"], args.target_entropy)
         append_jsonl(metrics_path, record)
         write_trajectories(args.out, step, groups, rewards, results, trained)
         if stats.get("skipped"):

@@ -139,6 +139,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--group-size", "1"], "group-size"),
     (["--steps", "-1"], "steps"),
     (["--temperature", "0"], "temperature"),
+    (["--target-entropy", "-0.1"], "target-entropy"),
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
     (["--sft-steps", "4", "--max-turns", "2"], "max-turns"),
@@ -295,6 +296,41 @@ def test_task_stats_record_the_last_pass_rate_per_task():
     stats = {"tiers": {}, "tasks": {"q": 1.0}}
     train.update_task_stats(stats, [group])
     assert stats["tasks"] == {"q": 0.5} and stats["tiers"]["easy"] == pytest.approx(0.7 * 0.5 + 0.3 * 0.5)
+
+
+def test_temperature_steers_toward_the_target_entropy():
+    """Too certain: hotter; wandering: cooler; clamped; and on a policy whose sampled tokens'
+    entropy grows as T^2 (what two temperatures from one start measured), a few steps settle
+    where the entropy meets the target, from either side."""
+    assert train.next_temperature(0.5, 0.01, 0.04) == pytest.approx(1.0)      # 0.5 * (0.04 / 0.01) ** 0.5
+    assert train.next_temperature(1.0, 0.16, 0.04) == pytest.approx(0.5)
+    assert train.next_temperature(1.0, 0.04, 0.04) == 1.0
+    assert train.next_temperature(0.5, 1e-9, 0.04) == 1.2 and train.next_temperature(0.5, 50.0, 0.04) == 0.2
+    assert train.next_temperature(0.5, 0.0, 0.04) == pytest.approx(0.5 * 2 ** 0.5)   # nothing uncertain sampled
+    for start in (0.25, 1.2):
+        temperature = start
+        for _ in range(12):
+            temperature = train.next_temperature(temperature, 0.04 * temperature ** 2, 0.01)   # H(T) = 0.04 T^2
+        assert temperature == pytest.approx(0.5, rel=1e-3), start
+
+
+def test_target_entropy_steers_each_step_and_survives_a_resume(tiny_model_dir, tmp_path, scripted_judge):
+    """--target-entropy: each step samples at the temperature the last one's entropy chose (a
+    random model wanders, so it cools), and a resumed run picks up where it was."""
+    straight, broken = tmp_path / "straight", tmp_path / "broken"
+    flags = ["--target-entropy", "2.0", "--temperature", "1.0"]
+    train.main(tiny_args(tiny_model_dir, straight, "--steps", "3", *flags))
+    steps = [json.loads(line) for line in open(straight / "metrics.jsonl") if "reward_mean" in line]
+    assert steps[0]["temperature"] == 1.0 and steps[1]["temperature"] < 1.0
+    for before, after in zip(steps, steps[1:]):
+        assert after["temperature"] == train.next_temperature(before["temperature"], before["rollout_entropy"], 2.0)
+    train.main(tiny_args(tiny_model_dir, broken, "--steps", "2", *flags))
+    train.main(tiny_args(tiny_model_dir, broken, "--steps", "3", "--resume", *flags))
+    resumed = [json.loads(line) for line in open(broken / "metrics.jsonl") if "reward_mean" in line]
+    assert [r["temperature"] for r in resumed] == [r["temperature"] for r in steps]
+    constant = tmp_path / "constant"
+    train.main(tiny_args(tiny_model_dir, constant, "--steps", "2", "--temperature", "1.0"))
+    assert [json.loads(line)["temperature"] for line in open(constant / "metrics.jsonl") if "reward_mean" in line] == [1.0, 1.0]
 
 
 def test_partial_credit_is_one_weighted_term_of_the_reward(db):
