@@ -852,6 +852,12 @@ def print_summary(args, metrics_path, final_dir):
     steps = [r for r in records if "reward_mean" in r]
     print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
           f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
+    if steps:
+        temperatures = [r.get("temperature", args.temperature) for r in steps]
+        steered = f" -> {temperatures[-1]:.2f} (steered toward {args.target_entropy:g} nats)" if args.target_entropy else ""
+        print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/{sum(r['submitted_groups'] for r in steps)} groups "
+              f"mixed, sampled tokens' entropy {sum(r['rollout_entropy'] for r in steps) / len(steps):.3f} nats, "
+              f"temperature {temperatures[0]:.2f}{steered}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started)")
     print(f"adapter:    {final_dir}  (PEFT layout)")

@@ -314,14 +314,15 @@ def test_temperature_steers_toward_the_target_entropy():
         assert temperature == pytest.approx(0.5, rel=1e-3), start
 
 
-def test_target_entropy_steers_each_step_and_survives_a_resume(tiny_model_dir, tmp_path, scripted_judge):
+def test_target_entropy_steers_each_step_and_survives_a_resume(tiny_model_dir, tmp_path, scripted_judge, capsys):
     """--target-entropy: each step samples at the temperature the last one's entropy chose (a
-    random model wanders, so it cools), and a resumed run picks up where it was."""
+    random model wanders, so it cools), the summary says so, and a resumed run picks up where it was."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     flags = ["--target-entropy", "2.0", "--temperature", "1.0"]
     train.main(tiny_args(tiny_model_dir, straight, "--steps", "3", *flags))
     steps = [json.loads(line) for line in open(straight / "metrics.jsonl") if "reward_mean" in line]
     assert steps[0]["temperature"] == 1.0 and steps[1]["temperature"] < 1.0
+    assert f"temperature 1.00 -> {steps[-1]['temperature']:.2f} (steered toward 2 nats)" in capsys.readouterr().out
     for before, after in zip(steps, steps[1:]):
         assert after["temperature"] == train.next_temperature(before["temperature"], before["rollout_entropy"], 2.0)
     train.main(tiny_args(tiny_model_dir, broken, "--steps", "2", *flags))
