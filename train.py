@@ -347,6 +347,10 @@ def next_temperature(temperature, entropy, target, gain=0.5, low=0.2, high=1.2):
     clamped to [low, high]. If the entropy goes as T^a, each step closes a share gain * a of the
     gap in log T: a is about 1.7 here (0.010 nats at 0.5 and 0.032 at 1.0 from one start), so
     gain 0.5 closes 85% without overshooting, and damps the noise of one step's few rollouts.
+    Measured, and why it is off by default: after the default's short warm start the entropy
+    hardly falls with T (0.027 to 0.063 nats even at 0.2: forks between a few likely tokens, not
+    a long tail), so a target read off a long start drives T to `low` and the groups to all
+    right or all wrong (README, Results).
     """
     if entropy <= 0 or not math.isfinite(entropy):    # nothing sampled, or only certain tokens: warm up
         return min(high, temperature * 2 ** gain)
@@ -855,8 +859,9 @@ def print_summary(args, metrics_path, final_dir):
     if steps:
         temperatures = [r.get("temperature", args.temperature) for r in steps]
         steered = f" -> {temperatures[-1]:.2f} (steered toward {args.target_entropy:g} nats)" if args.target_entropy else ""
+        entropies = [r["rollout_entropy"] for r in steps if "rollout_entropy" in r]   # (not in older runs' records)
         print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/{sum(r['submitted_groups'] for r in steps)} groups "
-              f"mixed, sampled tokens' entropy {sum(r['rollout_entropy'] for r in steps) / len(steps):.3f} nats, "
+              f"mixed, sampled tokens' entropy {sum(entropies) / max(1, len(entropies)):.3f} nats, "
               f"temperature {temperatures[0]:.2f}{steered}")
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
     print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started)")
