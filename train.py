@@ -514,8 +514,9 @@ def plot_run(run_dir):
     ax.plot([r["step"] for r in train], [r["train_accuracy"] for r in train], label="train accuracy")
     mixed = [r for r in train if "mixed_group_rate" in r]    # (not in the records of older runs)
     ax.plot([r["step"] for r in mixed], [r["mixed_group_rate"] for r in mixed], ":", label="mixed groups (share)")
-    if len({r.get("temperature") for r in train}) > 1:     # steered (--target-entropy)
-        ax.plot([r["step"] for r in train], [r["temperature"] for r in train], "-.", label="sampling temperature")
+    sampled = [r for r in train if "temperature" in r]    # (nor the temperature)
+    if len({r["temperature"] for r in sampled}) > 1:     # steered (--target-entropy)
+        ax.plot([r["step"] for r in sampled], [r["temperature"] for r in sampled], "-.", label="sampling temperature")
     ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
             label=f"held-out accuracy, {evals[0].get('eval_split', 'eval')} (greedy)" if evals else "held-out accuracy")
     others = [k for k in (evals[0] if evals else {}) if k.endswith("_accuracy") and k != "eval_accuracy"]

@@ -300,7 +300,7 @@ def test_task_stats_record_the_last_pass_rate_per_task():
 
 def test_temperature_steers_toward_the_target_entropy():
     """Too certain: hotter; wandering: cooler; clamped; and on a policy whose sampled tokens'
-    entropy grows as T^2 (what two temperatures from one start measured), a few steps settle
+    entropy grows as T^2 (two temperatures from one start measured about T^1.7), a few steps settle
     where the entropy meets the target, from either side."""
     assert train.next_temperature(0.5, 0.01, 0.04) == pytest.approx(1.0)      # 0.5 * (0.04 / 0.01) ** 0.5
     assert train.next_temperature(1.0, 0.16, 0.04) == pytest.approx(0.5)
