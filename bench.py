@@ -10,6 +10,7 @@
     python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: continuous batching vs batches
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
+    python bench.py learn --grpo-seeds 2   # GRPO twice (seeds 0 and 1): each run, and their mean against every arm
     python bench.py pair runs/sft96_full runs/grpo_full   # two evaluations task by task: the difference, its interval
     python bench.py pair runs/sft runs/grpo_s0 runs/grpo_s1   # several seeds of an arm: each, and their mean
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
@@ -664,11 +665,12 @@ def pass_at_k(n, c, k):
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def headroom(adapter, tasks, k, seed, limits):
-    """pass@1 and pass@k at temperature 1 of an adapter on `tasks`: what RL could turn into greedy accuracy."""
+def headroom(adapter, tasks, k, seed, limits, model_name=None):
+    """pass@1 and pass@k at temperature 1 of an adapter on `tasks`: what RL could turn into greedy accuracy.
+    model_name: the base model the adapter was trained on (None: the embedded one)."""
     import agentrl
     import lora
-    model, tokenizer = lora.load_model(None)
+    model, tokenizer = lora.load_model(model_name)
     lora.load_adapter(model, adapter)
     groups = agentrl.rollout_groups(model, tokenizer, tasks, k, agentrl.Sampling(seed=seed), limits, max_rows=8 * k)
     correct = [sum(t.correct for t in g.trajectories) for g in groups]
@@ -806,9 +808,13 @@ def bench_learn(args):
 
     Every arm is evaluated on the whole of both held-out splits (--eval-size 0): per-task outcomes,
     paired between arms, give each difference with a 95% interval (paired bootstrap) and McNemar's
-    p. The start's pass@k at temperature 1 on --pass-tasks test tasks is the headroom: greedy
-    accuracy RL could reach by making the policy pick, every time, what it already sometimes finds.
-    A finished SFT start in runs/bench_learn/sft with the same settings is reused.
+    p. With --grpo-seeds K the GRPO arm runs K times (seeds --seed, --seed + 1, ...): each run gets
+    its row, and the K runs' mean is paired with the start, RFT and the control (each task's outcome
+    averaged over the runs), with the spread of the runs' own differences beside it: what a seed
+    alone moves. The control gets the GRPO runs' mean time. The start's pass@k at temperature 1 on
+    --pass-tasks test tasks is the headroom: greedy accuracy RL could reach by making the policy
+    pick, every time, what it already sometimes finds. A finished SFT start in runs/bench_learn/sft
+    with the same settings is reused.
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -817,8 +823,8 @@ def bench_learn(args):
     import sql_env
     import train
 
-    if args.sft_steps < 1 or args.grpo_steps < 1:
-        raise SystemExit("bench.py learn compares RL with SFT: --sft-steps and --grpo-steps must be >= 1")
+    if args.sft_steps < 1 or args.grpo_steps < 1 or args.grpo_seeds < 1:
+        raise SystemExit("bench.py learn compares RL with SFT: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
     common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", *args.train_flags]
@@ -842,14 +848,18 @@ def bench_learn(args):
     start = os.path.join(out, "sft", "final")
     start_s = sum(r["time_step"] for r in records("sft") if "sft_step" in r) / args.sft_steps
 
-    # 2) the arms, each from the start
-    arm_flags = {f"GRPO {args.grpo_steps}": ["--steps", str(args.grpo_steps), "--seed", str(args.seed)],
-                 f"RFT {args.grpo_steps}": ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
-    folders = {name: name.split()[0].lower() for name in arm_flags}
+    # 2) the arms, each from the start: GRPO (one run per seed), RFT with the first seed, then the control
+    seeds = [args.seed + i for i in range(args.grpo_seeds)]
+    grpo_names = [f"GRPO {args.grpo_steps}" + (f" seed {s}" if len(seeds) > 1 else "") for s in seeds]
+    rft_name = f"RFT {args.grpo_steps}"
+    folders = {name: "grpo" if i == 0 else f"grpo_seed{s}" for i, (name, s) in enumerate(zip(grpo_names, seeds))}
+    folders[rft_name] = "rft"
+    arm_flags = {**{name: ["--steps", str(args.grpo_steps), "--seed", str(s)] for name, s in zip(grpo_names, seeds)},
+                 rft_name: ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
     for name, flags in arm_flags.items():
         train.main(common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
-    grpo_steps = [r for r in records("grpo") if "reward_mean" in r]
-    grpo_s = sum(r["time_step"] for r in grpo_steps)
+    grpo_runs = {name: [r for r in records(folders[name]) if "reward_mean" in r] for name in grpo_names}
+    grpo_s = sum(sum(r["time_step"] for r in steps) for steps in grpo_runs.values()) / len(grpo_runs)   # a run's mean
     extra = max(1, round(grpo_s / start_s))
     control = f"SFT +{extra} (control)"
     folders[control] = "control"       # new demonstrations: the warm start's sampler under another seed
@@ -863,10 +873,11 @@ def bench_learn(args):
     if args.pass_tasks:
         config = json.load(open(os.path.join(out, "sft", "config.json")))
         limits = agentrl.Limits(config["max_turns"], config["max_new_tokens"], config["max_context"])
-        tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", splits[0]), args.pass_tasks)
-        p1, pk = headroom(start, tasks, args.pass_k, args.seed, limits)
+        tasks = random.Random(args.seed).sample(sql_env.load_tasks(config["data"], splits[0]), args.pass_tasks)
+        p1, pk = headroom(start, tasks, args.pass_k, args.seed, limits, config["model"])
     print(f"\nlearn: {per_split['SFT start'][splits[0]]['eval_tasks']} tasks per held-out split, greedy | SFT start "
-          f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s = {extra} SFT steps")
+          f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s"
+          f"{' (the mean of its runs)' if len(seeds) > 1 else ''} = {extra} SFT steps")
     run = json.load(open(os.path.join(out, "grpo", "config.json")))
     steered = f" steered toward {run['target_entropy']:g} nats" if run.get("target_entropy") else ""
     print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}{steered}, "
@@ -880,9 +891,9 @@ def bench_learn(args):
     if args.pass_tasks:
         print(f"headroom of the start on {args.pass_tasks} {splits[0]} tasks at temperature 1: pass@1 {p1:.3f}, "
               f"pass@{args.pass_k} {pk:.3f}")
-    grpo_name, rft_name = list(arm_flags)
-    comparisons = [(grpo_name, "SFT start"), (grpo_name, rft_name), (grpo_name, control), (rft_name, "SFT start"),
-                   (control, "SFT start")]
+    one_grpo = len(grpo_names) == 1      # one run: GRPO against every other arm; several: each against the start
+    comparisons = ([(g, "SFT start") for g in grpo_names] + ([(grpo_names[0], rft_name), (grpo_names[0], control)] if one_grpo else [])
+                   + [(rft_name, "SFT start"), (control, "SFT start")])
     outcomes = {name: split_outcomes(record) for name, record in finals.items()}
     data = json.load(open(os.path.join(out, "sft", "config.json")))["data"]
     print("paired differences (B -> A accuracy, A - B in points, 95% paired-bootstrap intervals, McNemar p):")
@@ -891,19 +902,23 @@ def bench_learn(args):
         for a, b in comparisons:
             assert per_split[a][split]["eval_task_ids"] == per_split[b][split]["eval_task_ids"], "arms evaluated on different tasks"
             print(f"  {split:<12} {a} - {b}: {paired_line(outcomes[b][split], outcomes[a][split], templates)}")
+        for b in ([] if one_grpo else ["SFT start", rft_name, control]):
+            runs = [outcomes[g][split] for g in grpo_names]
+            print(f"  {split:<12} GRPO {args.grpo_steps} (its {len(runs)} runs) - {b}: {runs_line(outcomes[b][split], runs, templates)}")
 
     # 4) the signal GRPO had: mixed groups, several steps per batch, how far the policy moved
     def mean(key, rows):
         return mean_or_nan([r[key] for r in rows if isinstance(r.get(key), (int, float))])
-    updated = [r for r in grpo_steps if not r["skipped"]]
-    print(f"GRPO signal: mixed groups {sum(r['trainable_groups'] for r in grpo_steps)}/"
-          f"{sum(r['submitted_groups'] for r in grpo_steps)} ({mean('rollout_rounds', grpo_steps):.1f} rollout rounds a "
-          f"step), {len(updated)}/{len(grpo_steps)} batches trained | clip "
-          f"fraction {mean('clip_frac_low', updated) + mean('clip_frac_high', updated):.3f}, KL to the sampler "
-          f"{mean('kl_old', updated):.4f}, entropy {mean('entropy', updated):.3f} nats | train accuracy by step "
-          + " ".join(f"{r['train_accuracy']:.2f}" for r in grpo_steps)
-          + (" | temperature by step " + " ".join(f"{r['temperature']:.2f}" for r in grpo_steps) if steered else "")
-          + f" | step {grpo_s / len(grpo_steps):.0f} s, rollout {mean('time_rollout', grpo_steps) * len(grpo_steps) / grpo_s:.0%}")
+    for name, grpo_steps in grpo_runs.items():
+        updated, run_s = [r for r in grpo_steps if not r["skipped"]], sum(r["time_step"] for r in grpo_steps)
+        print(f"{name} signal: mixed groups {sum(r['trainable_groups'] for r in grpo_steps)}/"
+              f"{sum(r['submitted_groups'] for r in grpo_steps)} ({mean('rollout_rounds', grpo_steps):.1f} rollout rounds a "
+              f"step), {len(updated)}/{len(grpo_steps)} batches trained | clip "
+              f"fraction {mean('clip_frac_low', updated) + mean('clip_frac_high', updated):.3f}, KL to the sampler "
+              f"{mean('kl_old', updated):.4f}, entropy {mean('entropy', updated):.3f} nats | train accuracy by step "
+              + " ".join(f"{r['train_accuracy']:.2f}" for r in grpo_steps)
+              + (" | temperature by step " + " ".join(f"{r['temperature']:.2f}" for r in grpo_steps) if steered else "")
+              + f" | step {run_s / len(grpo_steps):.0f} s, rollout {mean('time_rollout', grpo_steps) * len(grpo_steps) / run_s:.0%}")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(per_split)
@@ -913,7 +928,7 @@ def bench_learn(args):
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(splits))], splits)
     left.set_ylabel("held-out accuracy (greedy)")
     left.legend(fontsize=8)
-    for name in (grpo_name, rft_name):
+    for name in (*grpo_names, rft_name):
         steps = [r for r in records(folders[name]) if "reward_mean" in r]
         right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label=f"{name}: train accuracy")
     right.set_xlabel("step")
@@ -1063,6 +1078,8 @@ def main():
     parser.add_argument("--eval-size", type=int, default=0, help="learn: held-out tasks per split and evaluation (0: all)")
     parser.add_argument("--sft-steps", type=int, default=64, help="learn: warm-start steps of the shared start")
     parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time)")
+    parser.add_argument("--grpo-seeds", type=int, default=1,
+                        help="learn: GRPO runs, seeds --seed, --seed + 1, ...: their mean is paired with every arm, the spread printed")
     parser.add_argument("--pass-tasks", type=int, default=24, help="learn: test tasks for the start's pass@k (0: skip)")
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
     parser.add_argument("--variants", default=None,

@@ -201,3 +201,41 @@ def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir,
     assert [(c["grad_checkpointing"], c["malloc_mmap_threshold"]) for c in configs] == [(False, 0), (False, 1 << 20), (True, 0)]
     for name in names[1:]:
         assert re.search(rf"{re.escape(name)} / all kept, glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out
+
+
+def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """bench.py learn end to end on the tiny model with --grpo-seeds 2: one SFT start; GRPO twice
+    (seeds 0 and 1), RFT and the SFT control, each from the start's adapter; a table row per arm on
+    both held-out splits; each GRPO run paired with the start, and the runs' mean with the start,
+    RFT and the control; the control's SFT steps are the GRPO runs' mean time over an SFT step."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["bench.py", "learn", "--sft-steps", "1", "--grpo-steps", "1", "--grpo-seeds", "2",
+                                     "--eval-size", "2", "--pass-tasks", "1", "--pass-k", "2", "--model", tiny_model_dir,
+                                     "--groups-per-step", "1", "--group-size", "2", "--max-turns", "4",
+                                     "--max-new-tokens", "130", "--max-context", "1024", "--micro-batch-size", "2"])
+    bench.main()
+    out = capsys.readouterr().out
+    folder = os.path.join("runs", "bench_learn")
+    configs = {arm: json.load(open(os.path.join(folder, arm, "config.json"))) for arm in ("sft", "grpo", "grpo_seed1", "rft", "control")}
+    start = os.path.join(folder, "sft", "final")
+    assert [(c["seed"], c["update"]) for c in (configs["grpo"], configs["grpo_seed1"], configs["rft"])] == [(0, "grpo"), (1, "grpo"), (0, "rft")]
+    assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
+    assert configs["control"]["adapter"] == start and configs["control"]["steps"] == 0
+
+    def seconds(arm, key):
+        return [r["time_step"] for r in map(json.loads, open(os.path.join(folder, arm, "metrics.jsonl"))) if key in r]
+    grpo_s = (sum(seconds("grpo", "reward_mean")) + sum(seconds("grpo_seed1", "reward_mean"))) / 2
+    extra = max(1, round(grpo_s / seconds("sft", "sft_step")[0]))
+    assert configs["control"]["sft_steps"] == extra
+    control = f"SFT +{extra} (control)"
+    rows = re.findall(r"^(SFT start|GRPO 1 seed \d|RFT 1|SFT \+\d+ \(control\)) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+)$", out, re.M)
+    assert [name for name, *_ in rows] == ["SFT start", "GRPO 1 seed 0", "GRPO 1 seed 1", "RFT 1", control], out
+    for split in ("test", "test_schema"):
+        for pair in ("GRPO 1 seed 0 - SFT start", "GRPO 1 seed 1 - SFT start", "RFT 1 - SFT start", f"{control} - SFT start"):
+            assert re.search(rf"^  {split} +{re.escape(pair)}: [\d.]+ -> [\d.]+ on 2 tasks", out, re.M), (pair, out)
+        for other in ("SFT start", "RFT 1", control):
+            assert re.search(rf"^  {split} +GRPO 1 \(its 2 runs\) - {re.escape(other)}: mean of 2 runs: .* on 2 tasks: .*"
+                             r"\| the runs: [+-][\d.]+, [+-][\d.]+ \(spread [\d.]+\)$", out, re.M), (other, out)
+    assert "GRPO 1 seed 0 signal:" in out and "GRPO 1 seed 1 signal:" in out
+    assert re.search(r"headroom of the start on 1 test tasks at temperature 1: pass@1 [\d.]+, pass@2 [\d.]+", out)
+    assert os.path.isfile(os.path.join(folder, "learn.png"))
