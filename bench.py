@@ -814,7 +814,8 @@ def bench_learn(args):
     alone moves. The control gets the GRPO runs' mean time. The start's pass@k at temperature 1 on
     --pass-tasks test tasks is the headroom: greedy accuracy RL could reach by making the policy
     pick, every time, what it already sometimes finds. A finished SFT start in runs/bench_learn/sft
-    with the same settings is reused.
+    with the same settings is reused, and so is every arm that finished with the same flags (a benchmark
+    stopped part way, or run again with more --grpo-seeds, runs only what is missing).
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -857,14 +858,18 @@ def bench_learn(args):
     arm_flags = {**{name: ["--steps", str(args.grpo_steps), "--seed", str(s)] for name, s in zip(grpo_names, seeds)},
                  rft_name: ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
     for name, flags in arm_flags.items():
-        train.main(common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
+        arm_argv = common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags]
+        if not finished(arm_argv):
+            train.main(arm_argv)
     grpo_runs = {name: [r for r in records(folders[name]) if "reward_mean" in r] for name in grpo_names}
     grpo_s = sum(sum(r["time_step"] for r in steps) for steps in grpo_runs.values()) / len(grpo_runs)   # a run's mean
     extra = max(1, round(grpo_s / start_s))
     control = f"SFT +{extra} (control)"
     folders[control] = "control"       # new demonstrations: the warm start's sampler under another seed
-    train.main(common + ["--adapter", start, "--sft-steps", str(extra), "--steps", "0", "--seed", str(args.seed + 1),
-                         "--out", os.path.join(out, "control")])
+    control_argv = common + ["--adapter", start, "--sft-steps", str(extra), "--steps", "0", "--seed", str(args.seed + 1),
+                             "--out", os.path.join(out, "control")]
+    if not finished(control_argv):
+        train.main(control_argv)
 
     # 3) the table: every arm on both splits, then the paired differences
     splits = json.load(open(os.path.join(out, "sft", "config.json")))["eval_splits"]

@@ -9,6 +9,7 @@ import re
 import pytest
 
 import bench
+import train
 
 
 def test_paired_difference_on_a_known_example():
@@ -239,3 +240,11 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert "GRPO 1 seed 0 signal:" in out and "GRPO 1 seed 1 signal:" in out
     assert re.search(r"headroom of the start on 1 test tasks at temperature 1: pass@1 [\d.]+, pass@2 [\d.]+", out)
     assert os.path.isfile(os.path.join(folder, "learn.png"))
+    table = out[out.index("learn:"):out.index("curves:")]
+
+    # run again: every arm finished with the same flags, so nothing trains and the same table is printed
+    runs = []
+    monkeypatch.setattr(train, "main", lambda argv: runs.append(argv))
+    bench.main()
+    out = capsys.readouterr().out
+    assert runs == [] and out[out.index("learn:"):out.index("curves:")] == table
