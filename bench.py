@@ -833,19 +833,19 @@ def bench_learn(args):
     def records(arm):
         return [json.loads(line) for line in open(os.path.join(out, arm, "metrics.jsonl"))]
 
-    def finished(argv):   # a run of exactly these arguments completed
+    def train_unless_finished(argv):   # a run of exactly these arguments that completed is reused
         wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
         try:
             config = json.load(open(os.path.join(wanted["out"], "config.json")))
         except (OSError, ValueError):
-            return False
-        return config == wanted and os.path.isdir(os.path.join(wanted["out"], "final"))
+            config = None
+        if config != wanted or not os.path.isdir(os.path.join(wanted["out"], "final")):
+            train.main(argv)
 
     # 1) the shared start
     sft_argv = common + ["--sft-steps", str(args.sft_steps), "--steps", "0", "--seed", str(args.seed),
                          "--out", os.path.join(out, "sft")]
-    if not finished(sft_argv):
-        train.main(sft_argv)
+    train_unless_finished(sft_argv)
     start = os.path.join(out, "sft", "final")
     start_s = sum(r["time_step"] for r in records("sft") if "sft_step" in r) / args.sft_steps
 
@@ -858,28 +858,25 @@ def bench_learn(args):
     arm_flags = {**{name: ["--steps", str(args.grpo_steps), "--seed", str(s)] for name, s in zip(grpo_names, seeds)},
                  rft_name: ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
     for name, flags in arm_flags.items():
-        arm_argv = common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags]
-        if not finished(arm_argv):
-            train.main(arm_argv)
-    grpo_runs = {name: [r for r in records(folders[name]) if "reward_mean" in r] for name in grpo_names}
+        train_unless_finished(common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
+    rl_steps = {name: [r for r in records(folders[name]) if "reward_mean" in r] for name in arm_flags}   # GRPO runs, RFT
+    grpo_runs = {name: rl_steps[name] for name in grpo_names}
     grpo_s = sum(sum(r["time_step"] for r in steps) for steps in grpo_runs.values()) / len(grpo_runs)   # a run's mean
     extra = max(1, round(grpo_s / start_s))
     control = f"SFT +{extra} (control)"
     folders[control] = "control"       # new demonstrations: the warm start's sampler under another seed
-    control_argv = common + ["--adapter", start, "--sft-steps", str(extra), "--steps", "0", "--seed", str(args.seed + 1),
-                             "--out", os.path.join(out, "control")]
-    if not finished(control_argv):
-        train.main(control_argv)
+    train_unless_finished(common + ["--adapter", start, "--sft-steps", str(extra), "--steps", "0", "--seed", str(args.seed + 1),
+                                    "--out", os.path.join(out, "control")])
 
     # 3) the table: every arm on both splits, then the paired differences
-    splits = json.load(open(os.path.join(out, "sft", "config.json")))["eval_splits"]
+    start_config = json.load(open(os.path.join(out, "sft", "config.json")))
+    splits = start_config["eval_splits"]
     finals = {"SFT start": records("sft")[-1], **{name: records(folder)[-1] for name, folder in folders.items()}}
     per_split = {name: {split: train.split_metrics(r, split) for split in splits} for name, r in finals.items()}
     if args.pass_tasks:
-        config = json.load(open(os.path.join(out, "sft", "config.json")))
-        limits = agentrl.Limits(config["max_turns"], config["max_new_tokens"], config["max_context"])
-        tasks = random.Random(args.seed).sample(sql_env.load_tasks(config["data"], splits[0]), args.pass_tasks)
-        p1, pk = headroom(start, tasks, args.pass_k, args.seed, limits, config["model"])
+        limits = agentrl.Limits(start_config["max_turns"], start_config["max_new_tokens"], start_config["max_context"])
+        tasks = random.Random(args.seed).sample(sql_env.load_tasks(start_config["data"], splits[0]), args.pass_tasks)
+        p1, pk = headroom(start, tasks, args.pass_k, args.seed, limits, start_config["model"])
     print(f"\nlearn: {per_split['SFT start'][splits[0]]['eval_tasks']} tasks per held-out split, greedy | SFT start "
           f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s"
           f"{' (the mean of its runs)' if len(seeds) > 1 else ''} = {extra} SFT steps")
@@ -900,10 +897,9 @@ def bench_learn(args):
     comparisons = ([(g, "SFT start") for g in grpo_names] + ([(grpo_names[0], rft_name), (grpo_names[0], control)] if one_grpo else [])
                    + [(rft_name, "SFT start"), (control, "SFT start")])
     outcomes = {name: split_outcomes(record) for name, record in finals.items()}
-    data = json.load(open(os.path.join(out, "sft", "config.json")))["data"]
     print("paired differences (B -> A accuracy, A - B in points, 95% paired-bootstrap intervals, McNemar p):")
     for split in splits:
-        templates = task_templates(data, split)
+        templates = task_templates(start_config["data"], split)
         for a, b in comparisons:
             assert per_split[a][split]["eval_task_ids"] == per_split[b][split]["eval_task_ids"], "arms evaluated on different tasks"
             print(f"  {split:<12} {a} - {b}: {paired_line(outcomes[b][split], outcomes[a][split], templates)}")
@@ -933,8 +929,7 @@ def bench_learn(args):
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(splits))], splits)
     left.set_ylabel("held-out accuracy (greedy)")
     left.legend(fontsize=8)
-    for name in (*grpo_names, rft_name):
-        steps = [r for r in records(folders[name]) if "reward_mean" in r]
+    for name, steps in rl_steps.items():
         right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label=f"{name}: train accuracy")
     right.set_xlabel("step")
     right.legend(fontsize=8)
