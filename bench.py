@@ -11,6 +11,7 @@
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
     python bench.py learn --grpo-seeds 2   # GRPO twice (seeds 0 and 1): each run, and their mean against every arm
+    python bench.py sweep     # the RL lr and the LoRA rank, chosen on a validation slice of train
     python bench.py pair runs/sft96_full runs/grpo_full   # two evaluations task by task: the difference, its interval
     python bench.py pair runs/sft runs/grpo_s0 runs/grpo_s1   # several seeds of an arm: each, and their mean
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
@@ -796,6 +797,24 @@ def bench_pair(args):
             print(f"  {split}: {runs_line(outcomes[0][split], [o[split] for o in outcomes[1:]], templates)}")
 
 
+def run_records(folder) -> list:
+    """A train.py run's metrics.jsonl, one dict per line."""
+    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+
+
+def train_unless_finished(argv):
+    """train.py with these arguments, unless a run of exactly these arguments completed in its --out
+    (then it is reused: a benchmark stopped part way, or run again, trains only what is missing)."""
+    import train
+    wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
+    try:
+        config = json.load(open(os.path.join(wanted["out"], "config.json")))
+    except (OSError, ValueError):
+        config = None
+    if config != wanted or not os.path.isdir(os.path.join(wanted["out"], "final")):
+        train.main(argv)
+
+
 def bench_learn(args):
     """What does RL add over its own start, and over the controls? Held-out splits, greedy, paired.
 
@@ -831,16 +850,7 @@ def bench_learn(args):
     common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", *args.train_flags]
 
     def records(arm):
-        return [json.loads(line) for line in open(os.path.join(out, arm, "metrics.jsonl"))]
-
-    def train_unless_finished(argv):   # a run of exactly these arguments that completed is reused
-        wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
-        try:
-            config = json.load(open(os.path.join(wanted["out"], "config.json")))
-        except (OSError, ValueError):
-            config = None
-        if config != wanted or not os.path.isdir(os.path.join(wanted["out"], "final")):
-            train.main(argv)
+        return run_records(os.path.join(out, arm))
 
     # 1) the shared start
     sft_argv = common + ["--sft-steps", str(args.sft_steps), "--steps", "0", "--seed", str(args.seed),
@@ -936,6 +946,67 @@ def bench_learn(args):
     fig.tight_layout()
     fig.savefig(os.path.join(out, "learn.png"))
     print(f"curves: {os.path.join(out, 'learn.png')} | whole benchmark {(time.perf_counter() - t0) / 60:.0f} min")
+
+
+def bench_sweep(args):
+    """Which RL learning rate and LoRA rank? Chosen on the validation slice of train, never on the
+    held-out splits (choosing there would spend the measurement every learning claim rests on).
+
+    For each rank in --sweep-ranks, one start of --sft-steps warm-start steps at that rank; from it,
+    --grpo-steps GRPO steps at each lr in --sweep-lrs (judge none: reward = correctness). lora_alpha
+    stays train.py's, so the LoRA scale is alpha / r: with it a good lr moves little with the rank
+    ("LoRA Without Regret", Thinking Machines 2025), and the rank's own effect shows. Every run
+    evaluates greedily on split val (sql_env.VAL_SIZE train tasks, which every run here leaves out
+    of its training; --eval-size N: N of them), and each is paired task by task with its start.
+    The pick is the run with the best validation accuracy: the whole recipe at that rank and lr.
+    Runs that finished with the same flags are reused.
+    """
+    try:
+        lrs = [float(lr) for lr in args.sweep_lrs.split(",")]
+        ranks = [int(r) for r in args.sweep_ranks.split(",")]
+    except ValueError:
+        raise SystemExit(f"--sweep-lrs and --sweep-ranks: comma-separated numbers, got {args.sweep_lrs!r} and {args.sweep_ranks!r}")
+    if args.sft_steps < 1 or args.grpo_steps < 1 or min(lrs) <= 0 or min(ranks) < 1:
+        raise SystemExit("bench.py sweep: --sft-steps and --grpo-steps >= 1, every lr > 0, every rank >= 1")
+    t0 = time.perf_counter()
+    out = os.path.join("runs", "bench_sweep")
+    common = ["--eval-split", "val", "--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--seed", str(args.seed),
+              *args.train_flags]
+    rows = []                                  # (rank, lr, start record, run folder)
+    for rank in ranks:
+        start = os.path.join(out, f"sft_r{rank}")
+        train_unless_finished(common + ["--lora-r", str(rank), "--sft-steps", str(args.sft_steps), "--steps", "0", "--out", start])
+        for lr in lrs:
+            run = os.path.join(out, f"r{rank}_lr{lr:g}")
+            train_unless_finished(common + ["--lora-r", str(rank), "--adapter", os.path.join(start, "final"), "--sft-steps", "0",
+                                            "--steps", str(args.grpo_steps), "--lr", f"{lr:g}", "--out", run])
+            rows.append((rank, lr, run_records(start)[-1], run))
+
+    print(f"\nsweep: {len(split_outcomes(rows[0][2])['val'])} validation tasks (train tasks no run here trained on), greedy | a start of "
+          f"{args.sft_steps} SFT steps per rank, then {args.grpo_steps} GRPO steps per lr")
+    print(f"{'rank':>5}{'lr':>9}{'start':>8}{'after':>8}   {'after - start, 95% interval, McNemar p':<42}"
+          f"{'mixed groups':>13}{'clip':>7}{'KL':>8}{'min':>6}")
+    results = []
+    for rank, lr, start_record, run in rows:
+        records = run_records(run)
+        before, after = split_outcomes(start_record)["val"], split_outcomes(records[-1])["val"]
+        tasks = list(before)
+        mean, (low, high), p = paired_difference([before[t] for t in tasks], [after[t] for t in tasks])
+        steps = [r for r in records if "reward_mean" in r]
+        updated = [r for r in steps if not r["skipped"]]
+
+        def mean_of(key):
+            return mean_or_nan([r[key] for r in updated if isinstance(r.get(key), (int, float))])
+        accuracy = sum(after.values()) / len(after)
+        results.append((accuracy, rank, lr, mean))
+        print(f"{rank:>5}{lr:>9g}{sum(before.values()) / len(before):>8.3f}{accuracy:>8.3f}   "
+              f"{f'{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}], p={p:.3f}':<42}"
+              f"{sum(r['trainable_groups'] for r in steps):>6}/{sum(r['submitted_groups'] for r in steps):<6}"
+              f"{mean_of('clip_frac_low') + mean_of('clip_frac_high'):>7.3f}{mean_of('kl_old'):>8.4f}"
+              f"{sum(r['time_step'] for r in steps) / 60:>6.1f}")
+    accuracy, rank, lr, mean = max(results, key=lambda r: r[0])      # the first of equals: the order asked
+    print(f"best on validation: --lora-r {rank} --lr {lr:g} (accuracy {accuracy:.3f}, {100 * mean:+.1f} points over its start) "
+          f"| whole sweep {(time.perf_counter() - t0) / 60:.0f} min")
 
 
 # ---------------------------------------------------------------- scale (train.py under torchrun, parallel.py)
@@ -1064,8 +1135,8 @@ def main():
     if os.environ.get(TRAIN_WORKER):   # this process is one measured train.py run
         return run_train_worker()
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "pair", "scale",
-                                          "allocator"])
+    parser.add_argument("which", choices=["rollout", "cache", "judge", "judge-server", "memory", "update", "eval", "gpu", "learn", "sweep", "pair",
+                                          "scale", "allocator"])
     parser.add_argument("paths", nargs="*", help="pair: evaluations, before and then after (one or more runs: run or --eval-only folders)")
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
@@ -1075,22 +1146,24 @@ def main():
     parser.add_argument("--tasks", type=int, default=0, help="eval: the split's first N tasks (0: all)")
     parser.add_argument("--tokenizer", default=None,
                         help="gpu, memory --shape qwen2.5-3b: a tokenizer folder (default: the embedded model's)")
-    parser.add_argument("--eval-size", type=int, default=0, help="learn: held-out tasks per split and evaluation (0: all)")
-    parser.add_argument("--sft-steps", type=int, default=64, help="learn: warm-start steps of the shared start")
-    parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time)")
+    parser.add_argument("--eval-size", type=int, default=0, help="learn, sweep: held-out (sweep: validation) tasks per split and evaluation (0: all)")
+    parser.add_argument("--sft-steps", type=int, default=64, help="learn: warm-start steps of the shared start; sweep: of each rank's start")
+    parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time); sweep: of each run")
     parser.add_argument("--grpo-seeds", type=int, default=1,
                         help="learn: GRPO runs, seeds --seed, --seed + 1, ...: their mean is paired with every arm, the spread printed")
     parser.add_argument("--pass-tasks", type=int, default=24, help="learn: test tasks for the start's pass@k (0: skip)")
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
+    parser.add_argument("--sweep-lrs", default="1e-4,3e-4,1e-3", help="sweep: the RL learning rates, comma-separated")
+    parser.add_argument("--sweep-ranks", default="4,16", help="sweep: the LoRA ranks, comma-separated")
     parser.add_argument("--variants", default=None,
                         help="update, eval: a comma-separated subset of the variants (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
-    if train_flags and args.which not in ("learn", "scale", "allocator"):
+    if train_flags and args.which not in ("learn", "sweep", "scale", "allocator"):
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
-    args.train_flags = train_flags  # learn, scale, allocator: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
+    args.train_flags = train_flags  # learn, sweep, scale, allocator: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
     benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "judge-server": bench_judge_server,
-               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "pair": bench_pair, "scale": bench_scale,
+               "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "sweep": bench_sweep, "pair": bench_pair, "scale": bench_scale,
                "allocator": bench_allocator}
     benches[args.which](args)
 

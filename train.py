@@ -93,7 +93,8 @@ def parse_args(argv=None):
                    help="held-out split(s) to evaluate on, comma-separated; the first is logged as eval_*, each other "
                         "under its own name (test_schema_accuracy, ...). Default: test,test_schema (new wordings and "
                         "values on the training schemas; the same questions on a schema never trained on), or dev "
-                        "for Spider/BIRD")
+                        "for Spider/BIRD. val: the validation slice of train (sql_env.VAL_SIZE tasks), then left out "
+                        "of training")
     # rollouts
     g = p.add_argument_group("rollouts")
     g.add_argument("--steps", type=int, default=40 if on_gpu else 4, help="GRPO optimizer steps")
@@ -226,6 +227,9 @@ def parse_args(argv=None):
     args.eval_splits = [split.strip() for split in args.eval_split.split(",") if split.strip()]
     if not args.eval_splits or len(set(args.eval_splits)) < len(args.eval_splits):
         p.error(f"--eval-split {args.eval_split!r}: name one or more different splits, comma-separated")
+    if "val" in args.eval_splits and args.train_split != "train":
+        p.error(f"--eval-split val is a slice of the train split, held out of training: it needs --train-split train, "
+                f"not {args.train_split!r}")
     return args
 
 
@@ -604,6 +608,9 @@ def run_process(args, device):
         print(f"eval on {args.data}:\n{format_evals(record, args.eval_splits)}\nrecord and episodes: {args.out}")
         return record
     train_tasks = sql_env.load_tasks(args.data, args.train_split)
+    if "val" in args.eval_splits:   # the validation slice is never trained on, by SFT or RL
+        held_out = {task.id for task in sql_env.load_tasks(args.data, "val")}
+        train_tasks = [task for task in train_tasks if task.id not in held_out]
     tasks_by_tier = {}
     for task in train_tasks:
         tasks_by_tier.setdefault(task.difficulty, []).append(task)

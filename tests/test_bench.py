@@ -204,6 +204,17 @@ def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir,
         assert re.search(rf"{re.escape(name)} / all kept, glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out
 
 
+def assert_a_rerun_trains_nothing(out, start, end, monkeypatch, capsys):
+    """Run the same benchmark again: every run finished with the same flags, so none trains, and the
+    table (out from `start` to `end`) is printed the same."""
+    table = out[out.index(start):out.index(end)]
+    runs = []
+    monkeypatch.setattr(train, "main", lambda argv: runs.append(argv))
+    bench.main()
+    out = capsys.readouterr().out
+    assert runs == [] and out[out.index(start):out.index(end)] == table
+
+
 def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """bench.py learn end to end on the tiny model with --grpo-seeds 2: one SFT start; GRPO twice
     (seeds 0 and 1), RFT and the SFT control, each from the start's adapter; a table row per arm on
@@ -240,11 +251,32 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert "GRPO 1 seed 0 signal:" in out and "GRPO 1 seed 1 signal:" in out
     assert re.search(r"headroom of the start on 1 test tasks at temperature 1: pass@1 [\d.]+, pass@2 [\d.]+", out)
     assert os.path.isfile(os.path.join(folder, "learn.png"))
-    table = out[out.index("learn:"):out.index("curves:")]
+    assert_a_rerun_trains_nothing(out, "learn:", "curves:", monkeypatch, capsys)
 
-    # run again: every arm finished with the same flags, so nothing trains and the same table is printed
-    runs = []
-    monkeypatch.setattr(train, "main", lambda argv: runs.append(argv))
+
+def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """bench.py sweep end to end on the tiny model: one SFT start per rank, one GRPO run per lr from
+    its rank's start, every run evaluated on split val only (so none trains on it); a row per run,
+    paired with its start; the pick is the row of the best validation accuracy. Run again, nothing trains."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["bench.py", "sweep", "--sweep-ranks", "2,4", "--sweep-lrs", "1e-4,1e-2", "--sft-steps", "1",
+                                     "--grpo-steps", "1", "--eval-size", "3", "--model", tiny_model_dir, "--groups-per-step", "1",
+                                     "--group-size", "2", "--max-turns", "4", "--max-new-tokens", "130", "--max-context", "1024",
+                                     "--micro-batch-size", "2"])
     bench.main()
     out = capsys.readouterr().out
-    assert runs == [] and out[out.index("learn:"):out.index("curves:")] == table
+    folder = os.path.join("runs", "bench_sweep")
+    for rank in (2, 4):
+        start = json.load(open(os.path.join(folder, f"sft_r{rank}", "config.json")))
+        assert (start["lora_r"], start["sft_steps"], start["steps"], start["eval_splits"]) == (rank, 1, 0, ["val"])
+        for lr in (1e-4, 1e-2):
+            run = json.load(open(os.path.join(folder, f"r{rank}_lr{lr:g}", "config.json")))
+            assert (run["lora_r"], run["lr"], run["steps"], run["sft_steps"]) == (rank, lr, 1, 0)
+            assert run["adapter"] == os.path.join(folder, f"sft_r{rank}", "final") and run["eval_splits"] == ["val"]
+    rows = re.findall(r"^ +(\d+) +([\d.e-]+) +([\d.]+) +([\d.]+)   ([+-][\d.]+) \[", out, re.M)
+    assert [(int(r), float(lr)) for r, lr, *_ in rows] == [(2, 1e-4), (2, 1e-2), (4, 1e-4), (4, 1e-2)], out
+    assert all(abs(100 * (float(after) - float(start)) - float(diff)) < 0.06 for *_, start, after, diff in rows), out
+    best = max(rows, key=lambda row: float(row[3]))
+    assert re.search(rf"best on validation: --lora-r {best[0]} --lr {best[1]} \(accuracy {best[3]},", out), out
+    assert "3 validation tasks" in out
+    assert_a_rerun_trains_nothing(out, "sweep:", "| whole sweep", monkeypatch, capsys)

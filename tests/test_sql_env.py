@@ -330,6 +330,19 @@ def test_load_bird(bird):
     assert execution_match(task.db_path, "SELECT name FROM singer WHERE age >= 36", task.gold_sql)
 
 
+def test_the_validation_slice_is_train_tasks_spread_over_the_split(spider):
+    """Split val: VAL_SIZE of the train split's tasks, the same ones on every call, spread over
+    tiers and schema renderings (not the first 64); a train split too small for it is a clear error."""
+    train, val = load_tasks(split="train"), load_tasks(split="val")
+    by_id = {t.id: t for t in train}
+    assert len(val) == sql_env.VAL_SIZE and all(by_id[t.id] == t for t in val)
+    assert [t.id for t in val] == [t.id for t in load_tasks(split="val")] == sorted(t.id for t in val)
+    assert {t.difficulty for t in val} == set(sql_env.TIERS) and {t.db_path for t in val} == {t.db_path for t in train}
+    assert val[-1].id != train[sql_env.VAL_SIZE - 1].id
+    with pytest.raises(ValueError, match="2 train tasks, too few"):
+        load_tasks(str(spider), "val")
+
+
 def test_loader_errors_name_the_path(spider, tmp_path):
     """Bad folders give one clear error that names the file, not a traceback from deep inside."""
     with pytest.raises(FileNotFoundError, match="no data folder"):

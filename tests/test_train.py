@@ -147,6 +147,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--sft-steps", "4", "--max-turns", "2", "--demos", "plain"], "max-turns"),
     (["--eval-split", " , "], "eval-split"),
     (["--malloc-mmap-threshold", "-1"], "malloc-mmap-threshold"),
+    (["--eval-split", "test,val", "--train-split", "train_wide"], "needs --train-split train"),
 ])
 def test_bad_arguments_fail_fast(argv, message, capsys):
     """Bad flags stop before any model is loaded, with a message naming the flag."""
@@ -412,6 +413,25 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
     train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", *args))
     kl = [json.loads(line)["kl"] for line in open(out / "metrics.jsonl") if "reward_mean" in line]
     assert kl[0] == 0.0 and kl[1] > 0, kl
+
+
+def test_a_run_that_evaluates_on_val_never_trains_on_it(tiny_model_dir, tmp_path, monkeypatch):
+    """With val among the evaluation splits, the tasks SFT and RL draw from are the train split
+    less the validation slice; without it, the whole train split."""
+    class Stop(Exception):
+        pass
+    trained_on = []
+
+    def capture(args, model, tokenizer, eval_sets, train_tasks, *rest):
+        trained_on.append({task.id for task in train_tasks})
+        raise Stop
+    monkeypatch.setattr(train, "start_run", capture)
+    for split in ("test", "val"):
+        with pytest.raises(Stop):
+            train.main(tiny_args(tiny_model_dir, tmp_path / split, "--eval-split", split, "--judge", "none"))
+    everything, without_val = trained_on
+    val = {task.id for task in train.sql_env.load_tasks(split="val")}
+    assert len(val) == train.sql_env.VAL_SIZE and val < everything and without_val == everything - val
 
 
 def test_warm_start_with_no_fitting_demonstration_is_a_clear_error(tiny_model_dir, tmp_path):
