@@ -804,14 +804,17 @@ def run_records(folder) -> list:
 
 def train_unless_finished(argv):
     """train.py with these arguments, unless a run of exactly these arguments completed in its --out
-    (then it is reused: a benchmark stopped part way, or run again, trains only what is missing)."""
+    from the adapter it starts from as that adapter is now (then it is reused: a benchmark stopped
+    part way, or run again, trains only what is missing, and what a retrained start changes)."""
     import train
     wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
     try:
         config = json.load(open(os.path.join(wanted["out"], "config.json")))
     except (OSError, ValueError):
         config = None
-    if config != wanted or not os.path.isdir(os.path.join(wanted["out"], "final")):
+    final = os.path.join(wanted["out"], "final", "adapter_model.safetensors")
+    start = wanted["adapter"] and os.path.join(wanted["adapter"], "adapter_model.safetensors")
+    if config != wanted or not os.path.isfile(final) or (start and os.path.getmtime(start) > os.path.getmtime(final)):
         train.main(argv)
 
 
@@ -968,6 +971,9 @@ def bench_sweep(args):
         raise SystemExit(f"--sweep-lrs and --sweep-ranks: comma-separated numbers, got {args.sweep_lrs!r} and {args.sweep_ranks!r}")
     if args.sft_steps < 1 or args.grpo_steps < 1 or min(lrs) <= 0 or min(ranks) < 1:
         raise SystemExit("bench.py sweep: --sft-steps and --grpo-steps >= 1, every lr > 0, every rank >= 1")
+    own = [flag for flag in args.train_flags if flag.split("=")[0] in ("--eval-split", "--lora-r", "--lr", "--adapter", "--out")]
+    if own:
+        raise SystemExit(f"bench.py sweep sets {', '.join(own)} itself: leave it out (the grid is --sweep-ranks and --sweep-lrs)")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_sweep")
     common = ["--eval-split", "val", "--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--seed", str(args.seed),

@@ -227,10 +227,27 @@ def parse_args(argv=None):
     args.eval_splits = [split.strip() for split in args.eval_split.split(",") if split.strip()]
     if not args.eval_splits or len(set(args.eval_splits)) < len(args.eval_splits):
         p.error(f"--eval-split {args.eval_split!r}: name one or more different splits, comma-separated")
-    if "val" in args.eval_splits and args.train_split != "train":
+    held_out = "val" in args.eval_splits
+    if held_out and args.train_split != "train" and not args.eval_only:
         p.error(f"--eval-split val is a slice of the train split, held out of training: it needs --train-split train, "
                 f"not {args.train_split!r}")
+    if held_out and args.adapter and trained_with_val_held_out(os.path.dirname(os.path.normpath(args.adapter))) is False:
+        p.error(f"--adapter {args.adapter!r} was trained on the val tasks (its run did not evaluate on val): "
+                f"its val scores would be training scores")
+    if args.resume and not args.eval_only and trained_with_val_held_out(args.out) not in (None, held_out):
+        p.error(f"--resume: the run in {args.out!r} was started {'without' if held_out else 'with'} val among its "
+                f"--eval-split, so it {'trained on' if held_out else 'held out'} the val tasks: resume it with the same --eval-split")
     return args
+
+
+def trained_with_val_held_out(run_dir):
+    """Whether the train.py run in run_dir left split val out of its training (it evaluated on val):
+    True or False from its config.json; None where there is none (an adapter from elsewhere)."""
+    try:
+        config = json.load(open(os.path.join(run_dir, "config.json")))
+    except (OSError, ValueError):
+        return None
+    return "val" in config.get("eval_splits", [])
 
 
 # ----------------------------------------------------------------------------- files

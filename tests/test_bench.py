@@ -5,6 +5,7 @@ Run: python -m pytest -q tests/test_bench.py
 import json
 import os
 import re
+import time
 
 import pytest
 
@@ -280,3 +281,14 @@ def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(ti
     assert re.search(rf"best on validation: --lora-r {best[0]} --lr {best[1]} \(accuracy {best[3]},", out), out
     assert "3 validation tasks" in out
     assert_a_rerun_trains_nothing(out, "sweep:", "| whole sweep", monkeypatch, capsys)
+
+    # a start retrained since (here: its adapter newer than the runs' own) sends its runs back to train
+    start = os.path.join(folder, "sft_r2", "final", "adapter_model.safetensors")
+    os.utime(start, (time.time() + 60, time.time() + 60))
+    runs = []
+    monkeypatch.setattr(train, "main", lambda argv: runs.append(argv[argv.index("--out") + 1]))
+    bench.main()
+    assert runs == [os.path.join(folder, "r2_lr0.0001"), os.path.join(folder, "r2_lr0.01")]
+    monkeypatch.setattr("sys.argv", ["bench.py", "sweep", "--lr", "1e-3"])
+    with pytest.raises(SystemExit, match="sets --lr itself"):
+        bench.main()

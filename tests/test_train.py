@@ -434,6 +434,28 @@ def test_a_run_that_evaluates_on_val_never_trains_on_it(tiny_model_dir, tmp_path
     assert len(val) == train.sql_env.VAL_SIZE and val < everything and without_val == everything - val
 
 
+def test_val_scores_are_refused_from_an_adapter_or_a_resume_that_trained_on_val(tmp_path, capsys):
+    """An adapter whose run trained on the val tasks cannot be evaluated or trained on val; a run
+    cannot be resumed with val added to or dropped from its evaluation splits (what it trained on
+    would change part way)."""
+    def run(name, eval_splits):
+        os.makedirs(tmp_path / name / "final")
+        (tmp_path / name / "config.json").write_text(json.dumps({"eval_splits": eval_splits}))
+        (tmp_path / name / "final" / "adapter_config.json").write_text("{}")
+        return str(tmp_path / name)
+    trained_on_val, held_out = run("all", ["test"]), run("held", ["val"])
+    with pytest.raises(SystemExit):
+        train.parse_args(["--adapter", os.path.join(trained_on_val, "final"), "--eval-split", "val"])
+    assert "trained on the val tasks" in capsys.readouterr().err
+    assert train.parse_args(["--adapter", os.path.join(held_out, "final"), "--eval-split", "val"]).adapter
+    assert train.parse_args(["--adapter", os.path.join(trained_on_val, "final"), "--eval-split", "test"]).adapter
+    for out, splits in ((held_out, "test"), (trained_on_val, "val")):
+        with pytest.raises(SystemExit):
+            train.parse_args(["--resume", "--out", out, "--eval-split", splits])
+        assert "resume it with the same --eval-split" in capsys.readouterr().err
+    assert train.parse_args(["--resume", "--out", held_out, "--eval-split", "val"]).resume
+
+
 def test_warm_start_with_no_fitting_demonstration_is_a_clear_error(tiny_model_dir, tmp_path):
     """Demonstrations longer than --max-new-tokens cannot be imitated: say so instead of looping."""
     with pytest.raises(SystemExit, match="no gold demonstration fits"):
