@@ -802,6 +802,11 @@ def run_records(folder) -> list:
     return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
 
 
+def record_mean(key, records):
+    """The mean of a metric over step records, over those that logged it as a number (nan if none)."""
+    return mean_or_nan([r[key] for r in records if isinstance(r.get(key), (int, float))])
+
+
 def train_unless_finished(argv):
     """train.py with these arguments, unless a run of exactly these arguments completed in its --out
     from the adapter it starts from as that adapter is now (then it is reused: a benchmark stopped
@@ -921,18 +926,16 @@ def bench_learn(args):
             print(f"  {split:<12} GRPO {args.grpo_steps} (its {len(runs)} runs) - {b}: {runs_line(outcomes[b][split], runs, templates)}")
 
     # 4) the signal GRPO had: mixed groups, several steps per batch, how far the policy moved
-    def mean(key, rows):
-        return mean_or_nan([r[key] for r in rows if isinstance(r.get(key), (int, float))])
     for name, grpo_steps in grpo_runs.items():
         updated, run_s = [r for r in grpo_steps if not r["skipped"]], sum(r["time_step"] for r in grpo_steps)
         print(f"{name} signal: mixed groups {sum(r['trainable_groups'] for r in grpo_steps)}/"
-              f"{sum(r['submitted_groups'] for r in grpo_steps)} ({mean('rollout_rounds', grpo_steps):.1f} rollout rounds a "
+              f"{sum(r['submitted_groups'] for r in grpo_steps)} ({record_mean('rollout_rounds', grpo_steps):.1f} rollout rounds a "
               f"step), {len(updated)}/{len(grpo_steps)} batches trained | clip "
-              f"fraction {mean('clip_frac_low', updated) + mean('clip_frac_high', updated):.3f}, KL to the sampler "
-              f"{mean('kl_old', updated):.4f}, entropy {mean('entropy', updated):.3f} nats | train accuracy by step "
+              f"fraction {record_mean('clip_frac_low', updated) + record_mean('clip_frac_high', updated):.3f}, KL to the sampler "
+              f"{record_mean('kl_old', updated):.4f}, entropy {record_mean('entropy', updated):.3f} nats | train accuracy by step "
               + " ".join(f"{r['train_accuracy']:.2f}" for r in grpo_steps)
               + (" | temperature by step " + " ".join(f"{r['temperature']:.2f}" for r in grpo_steps) if steered else "")
-              + f" | step {run_s / len(grpo_steps):.0f} s, rollout {mean('time_rollout', grpo_steps) * len(grpo_steps) / run_s:.0%}")
+              + f" | step {run_s / len(grpo_steps):.0f} s, rollout {record_mean('time_rollout', grpo_steps) * len(grpo_steps) / run_s:.0%}")
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(per_split)
@@ -982,11 +985,12 @@ def bench_sweep(args):
     for rank in ranks:
         start = os.path.join(out, f"sft_r{rank}")
         train_unless_finished(common + ["--lora-r", str(rank), "--sft-steps", str(args.sft_steps), "--steps", "0", "--out", start])
+        start_record = run_records(start)[-1]
         for lr in lrs:
             run = os.path.join(out, f"r{rank}_lr{lr:g}")
             train_unless_finished(common + ["--lora-r", str(rank), "--adapter", os.path.join(start, "final"), "--sft-steps", "0",
                                             "--steps", str(args.grpo_steps), "--lr", f"{lr:g}", "--out", run])
-            rows.append((rank, lr, run_records(start)[-1], run))
+            rows.append((rank, lr, start_record, run))
 
     print(f"\nsweep: {len(split_outcomes(rows[0][2])['val'])} validation tasks (train tasks no run here trained on), greedy | a start of "
           f"{args.sft_steps} SFT steps per rank, then {args.grpo_steps} GRPO steps per lr")
@@ -1000,15 +1004,13 @@ def bench_sweep(args):
         mean, (low, high), p = paired_difference([before[t] for t in tasks], [after[t] for t in tasks])
         steps = [r for r in records if "reward_mean" in r]
         updated = [r for r in steps if not r["skipped"]]
-
-        def mean_of(key):
-            return mean_or_nan([r[key] for r in updated if isinstance(r.get(key), (int, float))])
         accuracy = sum(after.values()) / len(after)
         results.append((accuracy, rank, lr, mean))
         print(f"{rank:>5}{lr:>9g}{sum(before.values()) / len(before):>8.3f}{accuracy:>8.3f}   "
               f"{f'{100 * mean:+.1f} [{100 * low:+.1f}, {100 * high:+.1f}], p={p:.3f}':<42}"
               f"{sum(r['trainable_groups'] for r in steps):>6}/{sum(r['submitted_groups'] for r in steps):<6}"
-              f"{mean_of('clip_frac_low') + mean_of('clip_frac_high'):>7.3f}{mean_of('kl_old'):>8.4f}"
+              f"{record_mean('clip_frac_low', updated) + record_mean('clip_frac_high', updated):>7.3f}"
+              f"{record_mean('kl_old', updated):>8.4f}"
               f"{sum(r['time_step'] for r in steps) / 60:>6.1f}")
     accuracy, rank, lr, mean = max(results, key=lambda r: r[0])      # the first of equals: the order asked
     print(f"best on validation: --lora-r {rank} --lr {lr:g} (accuracy {accuracy:.3f}, {100 * mean:+.1f} points over its start) "
