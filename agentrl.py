@@ -18,8 +18,9 @@ How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows
   1) the prompts' common prefix (system prompt with the tools, the worked example: all but the
      question) is encoded ONCE, into a one-row cache every row starts from; the rest of each
      prompt is the row's first feed;
-  2) all rows decode together, one token per forward; each sampled token is recorded with its
-     log-prob under the raw model distribution (temperature 1, no top-p: the policy GRPO trains);
+  2) all rows decode together, one token per forward, or (Sampling.draft) one and the drafts it
+     confirms, guessed from the row's own context (`_draft`); each sampled token is recorded with
+     its log-prob under the raw model distribution (temperature 1, no top-p: the policy GRPO trains);
   3) a row whose turn ends with `<tool_call>{json}</tool_call>` runs the tool; the new text
      (end of turn + tool message + next assistant header) is taken from the chat template as a
      suffix of what is already rendered, tokenized, and queued for that row;
@@ -29,7 +30,7 @@ How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows
   5) once no row is mid-turn (the flush), the cache is packed (each row's real columns moved
      left, columns that are holes in every row cut), rows still waiting join in the places of
      finished ones (with `max_rows`, continuous batching), and every row's queue is fed at once;
-  6) one forward feeds every row what it was given: a sampled token, or a queue.
+  6) one forward feeds every row what it was given: a sampled token (and its drafts), or a queue.
 
 Asking a trained agent (`main`, at the end of this file) is the same engine on one row, greedy,
 on a Task with no gold SQL, with an `on_message` hook that prints each tool call and a short view
@@ -52,9 +53,9 @@ Deliberate simplifications, and why they are safe:
   into it (one more read and write of the entire cache per token). KVCache preallocates, writes
   only the new columns, and grows GROW_COLUMNS at a time when full; it still goes through the model's own
   forward and attention. It holds full-attention layers only (Llama, Qwen2, SmolLM2).
-- Logits are projected for one column per row only (the lm_head runs on those hidden states):
-  full-vocabulary logits are never materialized for a whole prompt or tool result.
-- A waiting row still samples a token each step, which is then ignored: one (B, V) sample
+- Logits are projected for the last columns only, one per row and one per draft (the lm_head runs
+  on those hidden states): full-vocabulary logits are never made for a whole prompt or tool result.
+- A waiting row still samples a token each step, which is then ignored: one (B, C, V) sample
   is cheaper than gathering the rows that need it.
 """
 import argparse
@@ -155,6 +156,8 @@ class Sampling:
     top_p: float = 1.0
     greedy: bool = False       # argmax decoding, for evaluation
     seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
+    draft: int = 0             # prompt-lookup draft tokens a row checks per forward (0: one token a forward);
+                               #   the tokens keep their distribution (greedy: the same tokens), see _draft
 
 
 @dataclass
@@ -203,6 +206,7 @@ class _Row:
     turn_start: int = 0                             # index in token_ids where this turn's tokens begin
     text_len: int = 0                               # len(decode(token_ids[:turn_start]))
     pending: list[int] = field(default_factory=list)  # tokens to append, waiting for the next flush
+    drafts: list[int] = field(default_factory=list)   # tokens fed after the row's last one, to be checked (_draft)
     stop_reason: str = ""
     num_turns: int = 0
     num_tool_calls: int = 0
@@ -245,17 +249,17 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 
 def _sample(logits, sampling: Sampling, generator) -> torch.Tensor:
-    """Next tokens (B,) from logits (B, V): greedy, or temperature + nucleus (top-p) sampling."""
+    """Next tokens (B, C) from logits (B, C, V): greedy, or temperature + nucleus (top-p) sampling."""
     if sampling.greedy:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)     # (B, V)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)     # (B, C, V)
     if sampling.top_p < 1.0:   # keep the smallest set of tokens whose mass reaches top_p
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p                # mass before this token
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     # the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a sample from p (the Gumbel-max
     # trick in another guise), and several times faster than torch.multinomial over a large V
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)     # (B, V)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)     # (B, C, V)
     return (probs / race).argmax(-1)
 
 
@@ -285,7 +289,8 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     stop_ids, pad_id, chat = stop_token_ids(model, tokenizer), tokenizer.pad_token_id or 0, _Chat(tokenizer)
     forward = _Forward(model)
-    counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0, packed_columns=0)
+    counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0, packed_columns=0, drafted_tokens=0,
+                    accepted_drafts=0)
 
     with lora.lora_merged(model):      # one fp32 weight per layer while generating (lora.py says why)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
@@ -293,7 +298,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
         prefix, prefix_len = KVCache(model.config), _common_prefix_length(prompts)
         forward(torch.tensor([prompts[0][:prefix_len]], device=model.device),
-                torch.ones((1, prefix_len), dtype=torch.long, device=model.device), prefix, -1)
+                torch.ones((1, prefix_len), dtype=torch.long, device=model.device), prefix)
         for r, row in enumerate(rows):
             row.pending = prompts[r // n][prefix_len:]
         counters["prompt_tokens"] = prefix_len
@@ -301,11 +306,12 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
         mask = torch.zeros((0, 0), dtype=torch.long, device=model.device)       # (B, S): 1 real token, 0 hole
         waiting = list(range(len(rows)))[::-1]   # rows not started yet, the next one last
-        active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, V)
+        active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, C, V)
         max_rows = max_rows or len(rows)
 
         while active or waiting:
-            # 2) every active row that is mid-turn takes its next token: forced, greedy or sampled
+            # 2) every active row that is mid-turn takes its next tokens: forced, greedy or sampled, one
+            #    from each of the row's C logit columns while they confirm its drafts (see _draft)
             feed = {}                       # r -> tokens to feed in the next forward
             if active:
                 chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling, generator)
@@ -314,15 +320,31 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                 row = rows[r]
                 if row.pending:             # waiting for the flush: not mid-turn, fed a hole
                     continue
-                if not finite[b]:           # an overflow upstream: no token to take, the row ends here
-                    counters["non_finite_rows"] += 1
-                    _end_turn(row, limits, chat, truncated="non_finite_logits")
-                    continue
-                _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, chat)
-                if row.pending:
-                    row.pending.insert(0, chosen[b])   # the call's last token is not in the cache yet
-                elif not row.stop_reason:
-                    feed[r] = [chosen[b]]              # still mid-turn: feed the sampled token
+                drafts, in_cache = row.drafts, 0     # in_cache: the drafts the row took (real tokens in the cache)
+                for column in range(logits.shape[1] - 1 - len(drafts), logits.shape[1]):
+                    if not finite[b][column]:       # an overflow upstream: no token to take, the row ends here
+                        counters["non_finite_rows"] += 1
+                        _end_turn(row, limits, chat, truncated="non_finite_logits")
+                        break
+                    token = chosen[b][column]
+                    _take_token(row, token, chosen_logprobs[b][column], stop_ids, limits, chat)
+                    if in_cache < len(drafts) and token == drafts[in_cache]:
+                        in_cache += 1               # the draft confirmed: already fed, its logits in the next column
+                        if row.pending or row.stop_reason:
+                            break
+                        continue
+                    if row.pending:
+                        row.pending.insert(0, token)       # the call's last token is not in the cache yet
+                    elif not row.stop_reason:              # still mid-turn: the token, and drafts to check
+                        row.drafts = [] if _forcing(row) else _draft(row.token_ids, sampling.draft)
+                        feed[r] = [token] + row.drafts
+                        counters["drafted_tokens"] += len(row.drafts)
+                    break
+                counters["accepted_drafts"] += in_cache
+                if in_cache < len(drafts):          # the drafts after the first refused one are holes from now on
+                    mask[b, mask.shape[1] - (len(drafts) - in_cache):] = 0
+                if r not in feed:
+                    row.drafts = []
 
             # 4) drop finished rows from the batch (cache, mask and their bookkeeping)
             keep = [b for b, r in enumerate(active) if not rows[r].stop_reason]
@@ -351,10 +373,12 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             if not active:
                 break
 
-            # 6) one forward for all rows over what they were fed
+            # 6) one forward for all rows over what they were fed; logits for each row's last token and
+            #    its drafts (right-aligned, so the last C columns, C = 1 + the most drafts of a row)
             ids, new_mask = _right_aligned([feed.get(r, []) for r in active], pad_id, model.device)   # (B, W) each
             mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
-            logits = forward(ids, mask, cache, -1)      # (B, V); a waiting row's are unused
+            columns = 1 + max(len(rows[r].drafts) for r in active)
+            logits = forward(ids, mask, cache, columns)     # (B, C, V); a waiting row's are unused
 
     model.train(was_training)
     if stats is not None:
@@ -386,8 +410,8 @@ def _pack_left(cache, mask):
 
 
 class _Forward:
-    """One forward of the decoder body over new tokens and the cache, then the lm_head on one
-    column per row: full-vocabulary logits are never made for a whole prompt or tool result (as
+    """One forward of the decoder body over new tokens and the cache, then the lm_head on the last
+    columns only (a row's token and its drafts): full-vocabulary logits are never made for a whole prompt or tool result (as
     grpo.token_logprobs, the body and the head run apart). Counts and times every call."""
 
     def __init__(self, model):
@@ -398,22 +422,22 @@ class _Forward:
         self.counters = dict(forwards=0, fed_tokens=0, fed_columns=0, logit_rows=0, cache_columns=0, query_key_pairs=0)
         self.seconds = 0.0
 
-    def __call__(self, ids, mask, cache, column):
-        """ids (B, W) new tokens, mask (B, S+W) over cache + new columns, column: which new column's
-        logits to return, one index or (B,) -> logits (B, V) fp32."""
+    def __call__(self, ids, mask, cache, columns=1):
+        """ids (B, W) new tokens, mask (B, S+W) over cache + new columns -> logits (B, C, V) fp32 of
+        the last C = `columns` new columns."""
         t0 = time.perf_counter()
         W = ids.shape[1]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]   # (B, W): real tokens before each, in its row
         hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                            **{self.cache_arg: cache}).last_hidden_state                     # (B, W, H)
-        logits = self.head(hidden[torch.arange(len(ids), device=self.device), column]).float()   # (B, V)
+        logits = self.head(hidden[:, W - columns:]).float()                                     # (B, C, V)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         self.seconds += time.perf_counter() - t0
         self.counters["forwards"] += 1
         self.counters["fed_tokens"] += int(mask[:, -W:].sum())
         self.counters["fed_columns"] += ids.numel()
-        self.counters["logit_rows"] += len(ids)
+        self.counters["logit_rows"] += len(ids) * columns
         self.counters["cache_columns"] += mask.numel()
         self.counters["query_key_pairs"] += ids.numel() * mask.shape[1]
         return logits
@@ -441,17 +465,50 @@ def _start_rows(tasks, n, chat, limits, make_env, forced_turns, on_message=None)
 
 
 def _next_tokens(logits, rows, sampling, generator):
-    """Each row's next token, from logits (B, V): a forced token where the row has one left in this
-    turn, else greedy or sampled. Its log-prob is under the raw distribution (temperature 1, no
-    top-p), what a fresh forward gives. Returns (tokens, log-probs, finite), lists of B."""
-    logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, V)
-    chosen = _sample(logits, sampling, generator).tolist()
+    """A token from each of the C logit columns of each row, logits (B, C, V): greedy or sampled, each
+    column with its own randomness; a forced token where the row has one left in this turn (such
+    a row has no drafts: its token comes from the last column). Log-probs are under the raw
+    distribution (temperature 1, no top-p), what a fresh forward gives. Returns (tokens, log-probs,
+    finite), lists of B lists of C."""
+    logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, C, V)
+    chosen = _sample(logits, sampling, generator)                                     # (B, C)
     for b, row in enumerate(rows):
-        turn, done = row.num_turns, len(row.token_ids) - row.turn_start
-        if turn < len(row.forced) and done < len(row.forced[turn]):
-            chosen[b] = row.forced[turn][done]
-    chosen_logprobs = logprobs.gather(1, torch.tensor(chosen, device=logits.device)[:, None])[:, 0]   # (B,)
-    return chosen, chosen_logprobs.tolist(), torch.isfinite(logits).all(-1).tolist()
+        if _forcing(row):
+            chosen[b, -1] = row.forced[row.num_turns][len(row.token_ids) - row.turn_start]
+    chosen_logprobs = logprobs.gather(2, chosen[:, :, None])[:, :, 0]                # (B, C)
+    return chosen.tolist(), chosen_logprobs.tolist(), torch.isfinite(logits).all(-1).tolist()
+
+
+def _forcing(row) -> bool:
+    """Whether the row's next token is scripted (forced_turns, a test hook)."""
+    return row.num_turns < len(row.forced) and len(row.token_ids) - row.turn_start < len(row.forced[row.num_turns])
+
+
+def _draft(tokens, k, ngram=3) -> list[int]:
+    """Up to k tokens the row may write next, guessed from its own context (prompt lookup decoding,
+    Saxena 2023): find the most recent earlier place where the row's last n tokens occur (n = 3,
+    else 2) and propose what followed there. An agent copies much of its context: a table name from
+    describe_table's answer, the query it ran into submit_answer, the tool-call format from the
+    worked example.
+
+    The next forward feeds the row's sampled token and its drafts together, and returns logits
+    at each. A token is then drawn from each column in turn, as one token a forward would be; the
+    row takes it, and goes on to the next column only while the token drawn equals the draft fed
+    there (so the column's context is what the row really wrote). Every token taken is thus drawn
+    from the model's distribution given exactly the row's own past: the trajectory has the
+    distribution it has without drafts (the same tokens, greedy), and each log-prob is the one a
+    fresh forward gives. What a draft saves: a forward of 1 + k tokens a row costs little more
+    than one of 1 on a CPU (the weight matmuls are far from their floor at 16 rows), and each
+    confirmed draft is a forward not run. Refused drafts stay in the cache as holes (mask 0) until
+    the next flush packs them away."""
+    if k == 0:
+        return []
+    for n in range(ngram, 1, -1):
+        tail = tokens[-n:]
+        for start in range(len(tokens) - n - 1, -1, -1):
+            if tokens[start + n - 1] == tail[-1] and tokens[start:start + n] == tail:
+                return tokens[start + n:start + n + k]
+    return []
 
 
 def _take_token(row, token, logprob, stop_ids, limits, chat):

@@ -33,6 +33,7 @@ import subprocess
 import sys
 import textwrap
 import time
+from dataclasses import replace
 
 import numpy as np
 import torch
@@ -43,7 +44,8 @@ def bench_rollout(args):
     """Groups of 8 trajectories, up to 3 turns, on the embedded model: our engine (each prompt
     encoded once, KV cache kept across turns, all rows decoded in one batch) against the
     straightforward loop that re-renders the conversation and calls model.generate per turn and
-    per trajectory. Sampled text differs between the two, so tokens per second is the figure."""
+    per trajectory. Sampled text differs between the two, so tokens per second is the figure. Our
+    engine runs twice, one token a forward and with --draft prompt-lookup drafts (Sampling.draft)."""
     import agentrl
     import lora
     import sql_env
@@ -52,6 +54,8 @@ def bench_rollout(args):
     sampling = agentrl.Sampling(temperature=0.7, seed=args.seed)
     limits = agentrl.Limits(max_turns=3, max_new_tokens=96, max_context=2048)
     model, tokenizer = lora.load_model()
+    if args.adapter:
+        lora.load_adapter(model, lora.find_adapter(args.adapter))
     tasks = sql_env.load_tasks()[::250][:num_tasks]
 
     # ours: one call, G*N rows
@@ -62,6 +66,13 @@ def bench_rollout(args):
     ours_gen = stats["generated_tokens"]
     ours_prompt = stats["prompt_tokens"] + stats["appended_tokens"]
     turns = [t.num_turns for g in groups for t in g.trajectories]
+
+    # ours with drafts: each row also feeds --draft tokens guessed from its context, checked in the same forward
+    draft_stats = {}
+    t0 = time.perf_counter()
+    drafted = agentrl.rollout_groups(model, tokenizer, tasks, n, replace(sampling, draft=args.draft), limits, stats=draft_stats)
+    draft_s = time.perf_counter() - t0
+    draft_turns = [t.num_turns for g in drafted for t in g.trajectories]
 
     # baseline: per trajectory, per turn: render the whole conversation, tokenize, generate()
     torch.manual_seed(args.seed)
@@ -97,15 +108,20 @@ def bench_rollout(args):
             base_turns.append(turn + 1)
     base_s = time.perf_counter() - t0
 
-    print(f"rollout: {lora.EMBEDDED_NAME}, {num_tasks} tasks x {n} samples, up to {limits.max_turns} turns x "
+    print(f"rollout: {lora.EMBEDDED_NAME}{' + ' + args.adapter if args.adapter else ''}, {num_tasks} tasks x {n} samples, up to {limits.max_turns} turns x "
           f"{limits.max_new_tokens} tokens, T={sampling.temperature}, {model.device} {model.dtype}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'':28}{'wall s':>9}{'generated':>11}{'gen tok/s':>11}{'prompt tok computed':>21}{'turns':>7}")
+    draft_gen, draft_prompt = draft_stats["generated_tokens"], draft_stats["prompt_tokens"] + draft_stats["appended_tokens"]
     for name, secs, gen, prompt, t in [("baseline (generate per turn)", base_s, base_gen, base_prompt, base_turns),
-                                       ("ours (shared prompt, KV kept)", ours_s, ours_gen, ours_prompt, turns)]:
+                                       ("ours (shared prompt, KV kept)", ours_s, ours_gen, ours_prompt, turns),
+                                       (f"ours, {args.draft} drafts a row", draft_s, draft_gen, draft_prompt, draft_turns)]:
         print(f"{name:28}{secs:9.1f}{gen:11d}{gen / secs:11.1f}{prompt:21d}{sum(t) / len(t):7.2f}")
     print(f"ratio: {(ours_gen / ours_s) / (base_gen / base_s):.2f}x generated tokens/s, "
-          f"{base_prompt / max(ours_prompt, 1):.1f}x fewer prompt tokens computed")
+          f"{base_prompt / max(ours_prompt, 1):.1f}x fewer prompt tokens computed; with drafts "
+          f"{(draft_gen / draft_s) / (base_gen / base_s):.2f}x ({(draft_gen / draft_s) / (ours_gen / ours_s):.2f}x ours "
+          f"without): {draft_stats['forwards']} forwards against {stats['forwards']}, "
+          f"{draft_stats['accepted_drafts']} of {draft_stats['drafted_tokens']} drafts taken")
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
@@ -570,46 +586,55 @@ def bench_update(args):
 
 
 # ---------------------------------------------------------------- eval (train.py's evaluation)
-EVAL_VARIANTS = {"batches-32": ("batches", 32), "continuous-32": ("continuous", 32), "continuous-16": ("continuous", 16)}
+# name: (how tasks are batched, rows at a time, drafts (--draft) or not, the attention: None is
+# lora.ATTENTION, what train.py runs; "sdpa" is transformers' own, which repeats keys and values for drafts)
+EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None), "continuous-32": ("continuous", 32, False, None),
+                 "continuous-16": ("continuous", 16, False, None), "drafts-16": ("continuous", 16, True, None),
+                 "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa")}
 
 
 def bench_eval(args):
     """The greedy evaluation of a held-out split (all of it by default), as train.py runs it, with
     train.py's default limits: the earlier way, batches of 32 tasks each waiting for its slowest
     episode, against one engine call where a finished episode's place is taken by the next task
-    (continuous batching), with 32 and with 16 rows at a time. Each variant in a fresh process:
+    (continuous batching), with 32 and with 16 rows at a time; with 16, and --draft tokens a row
+    guessed and checked in each forward (Sampling.draft), with our attention and with transformers'
+    (which copies keys and values per query head for several query tokens). Each variant in a fresh process:
     its time, its peak resident memory (the whole process: model, adapter, caches), the engine's
     counters, and the outcomes, which greedy decoding makes (nearly) the same in every variant.
     """
     variant = os.environ.get(CHILD_VARIANT)
     if variant is None:
-        argv = ["eval", "--split", args.split, "--tasks", str(args.tasks), *(["--adapter", args.adapter] if args.adapter else [])]
+        argv = ["eval", "--split", args.split, "--tasks", str(args.tasks), "--draft", str(args.draft),
+                *(["--adapter", args.adapter] if args.adapter else [])]
         results = {v: in_fresh_process(argv, v) for v in chosen_variants(args, EVAL_VARIANTS)}
         base = next(iter(results.values()))   # the first variant measured is the baseline
         print(f"\ngreedy evaluation of {base['tasks']} {args.split} tasks, {args.adapter or 'the base model'}, "
               f"{base['limits']} | {base['device']}")
         print(f"{'variant':<16}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
-              f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}")
+              f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'drafts taken':>14}")
         for v, r in results.items():
             same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
             print(f"{v:<16}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
                   f"{r['logit_rows'] / r['forwards']:>14.1f}{r['forwards']:>10}{r['peak_gib']:>9.2f} GiB"
-                  f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}")
+                  f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}"
+                  f"{r['accepted_drafts']:>7}/{r['drafted_tokens']}")
         return
 
     import agentrl
     import lora
     import sql_env
     import train
-    mode, rows = EVAL_VARIANTS[variant]
+    mode, rows, drafts, attention = EVAL_VARIANTS[variant]
     defaults = train.parse_args([])
     limits = agentrl.Limits(defaults.max_turns, defaults.max_new_tokens, defaults.max_context)
     model, tokenizer = lora.load_model()
+    model.set_attn_implementation(attention or lora.ATTENTION)
     if args.adapter:
         lora.load_adapter(model, lora.find_adapter(args.adapter))
     tasks = sql_env.load_tasks("default", args.split)
     tasks = tasks[:args.tasks] if args.tasks else tasks
-    greedy, stats, groups = agentrl.Sampling(greedy=True), {}, []
+    greedy, stats, groups = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0), {}, []
     t0 = time.perf_counter()
     if mode == "batches":
         for i in range(0, len(tasks), rows):
@@ -622,6 +647,7 @@ def bench_eval(args):
     print(json.dumps({"seconds": seconds, "tasks": len(tasks), "peak_gib": resident_bytes("VmHWM") / 2**30,
                       "outcomes": "".join("1" if g.trajectories[0].correct else "0" for g in groups),
                       "forwards": stats["forwards"], "logit_rows": stats["logit_rows"], "device": "cpu",
+                      "drafted_tokens": stats["drafted_tokens"], "accepted_drafts": stats["accepted_drafts"],
                       "limits": f"{limits.max_turns} turns x {limits.max_new_tokens} tokens"}))
 
 
@@ -1149,7 +1175,8 @@ def main():
     parser.add_argument("--shape", choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
-    parser.add_argument("--adapter", default=None, help="judge, judge-server, eval: the embedded model with this saved adapter (or run folder)")
+    parser.add_argument("--adapter", default=None,
+                        help="rollout, judge, judge-server, eval: the embedded model with this saved adapter (or run folder)")
     parser.add_argument("--split", default="test", help="eval: the held-out split to evaluate")
     parser.add_argument("--tasks", type=int, default=0, help="eval: the split's first N tasks (0: all)")
     parser.add_argument("--tokenizer", default=None,
@@ -1163,6 +1190,9 @@ def main():
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
     parser.add_argument("--sweep-lrs", default="1e-4,3e-4,1e-3", help="sweep: the RL learning rates, comma-separated")
     parser.add_argument("--sweep-ranks", default="4,16", help="sweep: the LoRA ranks, comma-separated")
+    parser.add_argument("--draft", type=int, default=2,
+                        help="rollout, eval: draft tokens a row checks per forward in the drafted variant (Sampling.draft; "
+                             "train.py's --draft-tokens default)")
     parser.add_argument("--variants", default=None,
                         help="update, eval: a comma-separated subset of the variants (default: all)")
     parser.add_argument("--seed", type=int, default=0)

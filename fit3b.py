@@ -44,7 +44,7 @@ GIB = 2**30
 
 def qwen_config(**overrides):
     from transformers import Qwen2Config
-    return Qwen2Config(**{**QWEN25_3B, **overrides}, attn_implementation="sdpa")
+    return Qwen2Config(**{**QWEN25_3B, **overrides}, attn_implementation=lora.ATTENTION)
 
 
 def train_defaults():
@@ -198,7 +198,7 @@ def build_random_model(config, device, dtype):
     fp32 copy on the CPU first (12 GB for the 3B shape)."""
     from transformers import AutoModelForCausalLM
     with torch.device(device):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype, attn_implementation=lora.ATTENTION)
     return model.eval()
 
 

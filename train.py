@@ -66,6 +66,7 @@ import sql_env
 from files import atomic_folder, atomic_path, write_text_atomic
 
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
+DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts"; 3 and 4 were no faster than 2)
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -110,6 +111,10 @@ def parse_args(argv=None):
                    help="steer the temperature, step by step, toward this mean -log p of the sampled tokens (nats; "
                         "--temperature is the first step's); 0: a constant --temperature")
     g.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling")
+    g.add_argument("--draft-tokens", type=int, default=DRAFT_DEFAULT,
+                   help="tokens a row guesses ahead from its own context and checks in the same forward, in rollouts "
+                        "and evaluations (prompt lookup: the same distribution, greedy the same tokens; agentrl.Sampling.draft); "
+                        "0: one token a forward")
     g.add_argument("--frontier-share", type=float, default=0.75,
                    help="share of a step's tasks drawn from the frontier (train tasks whose last group was mixed); "
                         "the rest explore by tier. 0: tier sampling alone")
@@ -212,6 +217,8 @@ def parse_args(argv=None):
         p.error("--temperature must be in (0, 10] and --top-p in (0, 1]")
     if args.target_entropy < 0:
         p.error("--target-entropy must be >= 0 (0: a constant --temperature)")
+    if not 0 <= args.draft_tokens <= 16:
+        p.error("--draft-tokens must be in [0, 16]")
     if args.data != "default" and not os.path.isdir(args.data):
         p.error(f"--data {args.data!r}: no such folder (expected 'default' or a Spider/BIRD folder)")
     if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
@@ -430,15 +437,16 @@ def behaviour(trajectories):
     }
 
 
-def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None):
+def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters. All tasks go through one engine call, `max_rows` episodes at a
     time, a finished episode's place taken by the next task (continuous batching). 16 rows, not
     32: the KV cache is rows x context (16 x 2048 tokens of this model is 1.5 GB, three times
     its weights) and 32 rows were only 1.09x faster (README: bench.py eval). path: a .jsonl file to
-    write every episode to, to read what the agent did on each held-out task."""
+    write every episode to, to read what the agent did on each held-out task. draft: Sampling.draft."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    groups = agentrl.rollout_groups(model, tokenizer, mine, 1, agentrl.Sampling(greedy=True), limits, max_rows=max_rows)
+    groups = agentrl.rollout_groups(model, tokenizer, mine, 1, agentrl.Sampling(greedy=True, draft=draft), limits,
+                                    max_rows=max_rows)
     trajectories = [g.trajectories[0] for g in groups]
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
     if path and parallel.is_main():
@@ -459,7 +467,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None):
     }
 
 
-def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None):
+def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, draft=0):
     """One evaluation record for every held-out split: the first split's metrics under the eval_*
     keys every reader knows (plot, summary, bench.py learn), each other split's under its own name
     (eval_accuracy -> test_schema_accuracy), and eval_split naming the first. With run_dir, the
@@ -467,7 +475,7 @@ def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=Non
     record = {}
     for i, (split, tasks) in enumerate(eval_sets.items()):
         path = os.path.join(run_dir, "evals", f"{label}_{split}.jsonl") if run_dir else None
-        metrics = evaluate(model, tokenizer, tasks, limits, path=path)
+        metrics = evaluate(model, tokenizer, tasks, limits, path=path, draft=draft)
         record.update(metrics if i == 0 else {split + k[len("eval"):]: v for k, v in metrics.items()})
     return {"eval_split": next(iter(eval_sets)), **record}
 
@@ -619,7 +627,7 @@ def run_process(args, device):
         eval_sets[split] = random.Random(0).sample(tasks, min(args.eval_size, len(tasks))) if args.eval_size else tasks
     limits = agentrl.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
     if args.eval_only:      # the record (per-task outcomes: pair it with another) and every episode stay in --out
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=args.out, label="eval_only")
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "eval_only", args.draft_tokens)
         if parallel.is_main():
             write_text_atomic(os.path.join(args.out, "eval_only.json"), json.dumps({"adapter": args.adapter, "data": args.data, **record}) + "\n")
         print(f"eval on {args.data}:\n{format_evals(record, args.eval_splits)}\nrecord and episodes: {args.out}")
@@ -680,7 +688,8 @@ def run_process(args, device):
             round_seed = step_seed * args.sample_rounds + round_index
             tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(round_seed),
                                                 args.frontier_share, exclude={g.task.id for g in groups}))
-            sampling = agentrl.Sampling(temperature=temperature, top_p=args.top_p, seed=round_seed * world + rank)
+            sampling = agentrl.Sampling(temperature=temperature, top_p=args.top_p, seed=round_seed * world + rank,
+                                        draft=args.draft_tokens)
             groups += agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
             if sum(0 < pass_rate(g) < 1 for g in groups) >= args.groups_per_step:
                 break
@@ -735,7 +744,7 @@ def run_process(args, device):
 
         # 7) evaluate and checkpoint
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{step:04d}")
+            record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{step:04d}", args.draft_tokens)
             append_jsonl(metrics_path, {"step": step, **record})
             tqdm.write(f"eval step {step}:\n{format_evals(record, args.eval_splits)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
@@ -747,7 +756,7 @@ def run_process(args, device):
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < args.steps:
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{args.steps:04d}")
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{args.steps:04d}", args.draft_tokens)
         append_jsonl(metrics_path, {"step": args.steps, **record})
     if not parallel.is_main():   # rank 0 saves the adapter and reports
         return None
@@ -770,12 +779,12 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
     if args.start_eval:
         phase = "start" if args.adapter else "base"
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase, args.draft_tokens)
         append_jsonl(metrics_path, {"step": 0, "phase": phase, **record})
         print(f"eval step 0 ({args.adapter or 'base model'}):\n{format_evals(record, args.eval_splits)}")
     if args.sft_steps:
         warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft")
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft", args.draft_tokens)
         append_jsonl(metrics_path, {"step": 0, "phase": "sft", **record})
         print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 

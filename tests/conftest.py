@@ -88,15 +88,16 @@ def qwen_tokenizer():
 
 
 def build_tiny_model(kind: str = "llama", seed: int = 0, init: float = 0.2):
-    """A tiny random causal LM of the given family, fp32, eval mode, SDPA attention.
+    """A tiny random causal LM of the given family, fp32, eval mode, SDPA attention (lora.ATTENTION).
     init: weight std; larger than the usual 0.02 so logits depend visibly on context and position."""
     from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+    import lora
     common = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                   initializer_range=init, tie_word_embeddings=True, bos_token_id=1, eos_token_id=2, pad_token_id=2)
     config = LlamaConfig(**common) if kind == "llama" else Qwen2Config(**common)
     torch.manual_seed(seed)
-    model = AutoModelForCausalLM.from_config(config, attn_implementation="sdpa", dtype=torch.float32)
+    model = AutoModelForCausalLM.from_config(config, attn_implementation=lora.ATTENTION, dtype=torch.float32)
     return model.eval()
 
 

@@ -219,6 +219,73 @@ def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer, max_ro
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
 
 
+def test_draft_proposes_what_followed_the_latest_earlier_ngram():
+    """Prompt lookup: the tokens after the latest earlier occurrence of the last 3 tokens, else of
+    the last 2; nothing without a match, or with k = 0."""
+    assert agentrl._draft([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3], 2) == [4, 7]     # the 3-gram wins over the later 2-gram
+    assert agentrl._draft([7, 2, 3, 9, 8, 7, 5, 2, 3], 3) == [9, 8, 7]
+    assert agentrl._draft([4, 1, 2, 6, 1, 2, 5, 1, 2], 1) == [5]              # the latest of two occurrences
+    assert agentrl._draft([1, 2, 3, 4], 4) == [] and agentrl._draft([1, 2, 1, 2], 0) == []
+
+
+def oracle_drafts(reference, k):
+    """A stand-in for agentrl._draft that knows the trajectories a run without drafts wrote: it
+    proposes the next k tokens of the one the row is writing, across turn ends too, and spoils one
+    of them on two calls in three (at a place that varies), so that drafts are confirmed whole,
+    refused part way and refused at once."""
+    calls = []
+
+    def draft(tokens, _k):
+        calls.append(len(tokens))
+        ahead = next((t[len(tokens):len(tokens) + k] for t in reference if t[:len(tokens)] == tokens), [])
+        if ahead and len(calls) % 3:
+            spoil = len(calls) % len(ahead)
+            ahead = ahead[:spoil] + [ahead[spoil] + 1] + ahead[spoil + 1:]
+        return ahead
+    return draft
+
+
+@pytest.mark.parametrize("forced", ["scripted", "free"])
+def test_drafts_change_no_token_and_save_forwards(forced, tiny_llama, smol_tokenizer, monkeypatch):
+    """Greedy with drafts (Sampling.draft) writes exactly the tokens greedy without them writes, with
+    the same log-probs, which equal a fresh forward: confirmed drafts are real tokens, refused ones
+    holes that no later token sees, also when a turn ends on a confirmed draft and the rest of it
+    is refused. Drafts that come true save forwards."""
+    script = SCRIPT if forced == "scripted" else None
+    plain_stats, draft_stats = {}, {}
+    plain = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), forced_turns=script,
+                    stats=plain_stats)
+    reference = [t.token_ids for g in plain for t in g.trajectories]
+    monkeypatch.setattr(agentrl, "_draft", oracle_drafts(reference, k=4))
+    drafted = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True, draft=4), forced_turns=script,
+                      stats=draft_stats)
+    for a, b in zip([t for g in drafted for t in g.trajectories], [t for g in plain for t in g.trajectories]):
+        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason and a.messages == b.messages
+        torch.testing.assert_close(torch.tensor(a.sampled_logprobs), torch.tensor(b.sampled_logprobs), rtol=0, atol=1e-4)
+        fresh = full_forward_logprobs(tiny_llama, a.token_ids) * torch.tensor(a.assistant_mask)
+        torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
+    assert 0 < draft_stats["accepted_drafts"] < draft_stats["drafted_tokens"]
+    assert draft_stats["forwards"] < plain_stats["forwards"]
+    assert plain_stats["drafted_tokens"] == plain_stats["accepted_drafts"] == 0
+
+
+def test_sampled_drafts_record_the_raw_log_probs(tiny_llama, smol_tokenizer, monkeypatch):
+    """Sampling at a temperature with drafts: every recorded log-prob is still the raw model's (a
+    fresh forward's), the same seed gives the same tokens, and drafts were confirmed."""
+    plain = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(seed=3, temperature=0.3), forced_turns=None)
+    monkeypatch.setattr(agentrl, "_draft", oracle_drafts([t.token_ids for g in plain for t in g.trajectories], k=3))
+    runs = []
+    for _ in range(2):
+        stats = {}
+        groups = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(seed=3, temperature=0.3, draft=3),
+                         forced_turns=None, stats=stats)
+        runs.append([t.token_ids for g in groups for t in g.trajectories])
+    assert runs[0] == runs[1] and stats["accepted_drafts"] > 0
+    for t in (t for g in groups for t in g.trajectories):
+        fresh = full_forward_logprobs(tiny_llama, t.token_ids) * torch.tensor(t.assistant_mask)
+        torch.testing.assert_close(torch.tensor(t.sampled_logprobs), fresh, rtol=0, atol=1e-4)
+
+
 def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
     """An fp16 overflow in one row (nan logits in the fourth forward: the shared prefix, the rest of
     the prompt, then two decode steps) ends that row with
@@ -370,12 +437,12 @@ def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
                 torch.testing.assert_close(logits[b], fresh, rtol=1e-4, atol=1e-4)
 
     with torch.no_grad():
-        forward(torch.tensor([prefix_ids]), torch.ones(1, 3, dtype=torch.long), prefix, -1)
+        forward(torch.tensor([prefix_ids]), torch.ones(1, 3, dtype=torch.long), prefix)
         cache.add_rows(prefix, 3)
         rows = [prefix_ids + rest for rest in rests]
         ids = torch.tensor([rests[0], [0, 0] + rests[1], [0] + rests[2]])
         mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 1], [1, 1, 1, 0, 1, 1]])
-        check(forward(ids, mask, cache, -1), rows, [1, 1, 1])
+        check(forward(ids, mask, cache)[:, -1], rows, [1, 1, 1])
         for step in range(12):
             new = torch.randint(0, 1000, (len(rows), 1))
             if step == 3:                               # drop row 1
@@ -399,7 +466,7 @@ def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
                 mask, rows = torch.cat([mask, joined]), rows + [list(prefix_ids)]
                 new, fed = torch.cat([new, torch.tensor([[77]])]), torch.cat([fed, torch.ones(1, 1, dtype=torch.long)])
             mask = torch.cat([mask, fed], dim=1)
-            logits = forward(new, mask, cache, -1)
+            logits = forward(new, mask, cache)[:, -1]
             for b, row in enumerate(rows):
                 if fed[b]:
                     row.append(int(new[b]))

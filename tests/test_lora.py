@@ -175,7 +175,7 @@ def test_embedded_model_converts_once(tmp_path, monkeypatch):
     ids = torch.tensor([tokenizer("<|im_start|>user\nHi<|im_end|>", add_special_tokens=False).input_ids])
     with torch.no_grad():
         assert torch.equal(again(input_ids=ids).logits, model(input_ids=ids).logits)
-    assert model.dtype == torch.float32 and model.config._attn_implementation == "sdpa"
+    assert model.dtype == torch.float32 and model.config._attn_implementation == lora.ATTENTION
 
 
 # ---------------------------------------------------------------- the precision policy
@@ -308,3 +308,46 @@ def test_lora_weights_runs_the_saved_adapter_and_gives_the_live_one_back(tiny_ll
             assert torch.equal(logits(tiny_llama), start_logits)
         assert torch.equal(logits(tiny_llama), moved_logits)
     assert all(torch.equal(a, b) for a, b in zip(live, lora.lora_state(tiny_llama)))
+
+
+# ---------------------------------------------------------------- the attention
+@pytest.mark.parametrize("kind", ["llama", "qwen2"])
+def test_packed_attention_equals_transformers_sdpa_with_holes_and_a_cache(kind, tiny_model_factory):
+    """lora.sdpa_packed (grouped-query heads packed for several query tokens) against transformers'
+    own SDPA (keys and values repeated per query head): the same logits and the same LoRA gradients
+    on a padded batch, and the same logits for a 3-token forward after a cached prefix with holes."""
+    from agentrl import KVCache
+    packed, plain = tiny_model_factory(kind), tiny_model_factory(kind)
+    plain.set_attn_implementation("sdpa")
+    assert packed.config._attn_implementation == lora.ATTENTION and packed.config.num_key_value_heads < packed.config.num_attention_heads
+    for model in (packed, plain):
+        torch.manual_seed(1)
+        lora.apply_lora(model, r=4, alpha=8)
+        for p in lora.lora_parameters(model):
+            nn.init.normal_(p, std=0.1)
+    torch.manual_seed(0)
+    ids = torch.randint(3, 100, (3, 12))
+    mask = torch.ones(3, 12, dtype=torch.long)
+    mask[0, :4], mask[1, 5:7] = 0, 0                       # left padding, and a hole mid-row
+    positions = (mask.cumsum(-1) - 1).clamp(min=0)
+    grads = []
+    for model in (packed, plain):
+        logits = model(input_ids=ids, attention_mask=mask, position_ids=positions).logits
+        logits[mask.bool()].logsumexp(-1).sum().backward()
+        grads.append([p.grad.clone() for p in lora.lora_parameters(model)])
+        if model is packed:
+            packed_logits = logits.detach()
+    assert torch.allclose(packed_logits[mask.bool()], logits.detach()[mask.bool()], atol=1e-5)
+    for a, b in zip(*grads):
+        assert torch.allclose(a, b, atol=1e-5, rtol=1e-4)
+
+    new_ids, new_mask = torch.randint(3, 100, (3, 3)), torch.tensor([[1, 1, 1], [0, 1, 1], [1, 0, 1]])
+    full_mask = torch.cat([mask, new_mask], 1)
+    outputs = []
+    with torch.no_grad():
+        for model in (packed, plain):
+            cache = KVCache(model.config)
+            model(input_ids=ids, attention_mask=mask, position_ids=positions, **{lora.cache_keyword(model): cache})
+            outputs.append(model(input_ids=new_ids, attention_mask=full_mask, **{lora.cache_keyword(model): cache},
+                                 position_ids=(full_mask.cumsum(-1) - 1)[:, -3:]).logits)
+    assert torch.allclose(outputs[0][new_mask.bool()], outputs[1][new_mask.bool()], atol=1e-5)
