@@ -328,6 +328,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                         break
                     token = chosen[b][column]
                     _take_token(row, token, chosen_logprobs[b][column], stop_ids, limits, chat)
+                    counters["appended_tokens"] += len(row.pending)   # a tool message and the next header, if the turn ended
                     if in_cache < len(drafts) and token == drafts[in_cache]:
                         in_cache += 1               # the draft confirmed: already fed, its logits in the next column
                         if row.pending or row.stop_reason:
@@ -368,8 +369,8 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                     active += joining
                 for r in active:
                     feed[r], rows[r].pending = rows[r].pending, []
-                    # a row's first feed is the rest of its prompt; later ones end with a sampled token
-                    counters["prompt_tokens" if rows[r].num_turns == 0 else "appended_tokens"] += len(feed[r]) - (rows[r].num_turns > 0)
+                    if rows[r].num_turns == 0:      # a row's first feed is the rest of its prompt
+                        counters["prompt_tokens"] += len(feed[r])
             if not active:
                 break
 

@@ -249,8 +249,9 @@ def oracle_drafts(reference, k):
 def test_drafts_change_no_token_and_save_forwards(forced, tiny_llama, smol_tokenizer, monkeypatch):
     """Greedy with drafts (Sampling.draft) writes exactly the tokens greedy without them writes, with
     the same log-probs, which equal a fresh forward: confirmed drafts are real tokens, refused ones
-    holes that no later token sees, also when a turn ends on a confirmed draft and the rest of it
-    is refused. Drafts that come true save forwards."""
+    holes that no later token sees. Drafts that come true save forwards, and each tool message is
+    counted once. (The tiny models' tool calls are scripted, and scripted tokens are never drafted,
+    so a tool call closed by a confirmed draft is not exercised here.)"""
     script = SCRIPT if forced == "scripted" else None
     plain_stats, draft_stats = {}, {}
     plain = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), forced_turns=script,
@@ -266,6 +267,8 @@ def test_drafts_change_no_token_and_save_forwards(forced, tiny_llama, smol_token
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
     assert 0 < draft_stats["accepted_drafts"] < draft_stats["drafted_tokens"]
     assert draft_stats["forwards"] < plain_stats["forwards"]
+    assert draft_stats["appended_tokens"] == plain_stats["appended_tokens"]    # tool messages counted once each
+    assert plain_stats["appended_tokens"] > 0 or forced == "free"             # free rows of a random model call no tool
     assert plain_stats["drafted_tokens"] == plain_stats["accepted_drafts"] == 0
 
 
