@@ -320,7 +320,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                 row = rows[r]
                 if row.pending:             # waiting for the flush: not mid-turn, fed a hole
                     continue
-                drafts, in_cache = row.drafts, 0     # in_cache: the drafts the row took (real tokens in the cache)
+                drafts, row.drafts, in_cache = row.drafts, [], 0   # in_cache: the drafts the row took (real tokens in the cache)
                 for column in range(logits.shape[1] - 1 - len(drafts), logits.shape[1]):
                     if not finite[b][column]:       # an overflow upstream: no token to take, the row ends here
                         counters["non_finite_rows"] += 1
@@ -337,15 +337,13 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                     if row.pending:
                         row.pending.insert(0, token)       # the call's last token is not in the cache yet
                     elif not row.stop_reason:              # still mid-turn: the token, and drafts to check
-                        row.drafts = [] if _forcing(row) else _draft(row.token_ids, sampling.draft)
+                        row.drafts = [] if _forced_token(row) is not None else _draft(row.token_ids, sampling.draft)
                         feed[r] = [token] + row.drafts
                         counters["drafted_tokens"] += len(row.drafts)
                     break
                 counters["accepted_drafts"] += in_cache
                 if in_cache < len(drafts):          # the drafts after the first refused one are holes from now on
                     mask[b, mask.shape[1] - (len(drafts) - in_cache):] = 0
-                if r not in feed:
-                    row.drafts = []
 
             # 4) drop finished rows from the batch (cache, mask and their bookkeeping)
             keep = [b for b, r in enumerate(active) if not rows[r].stop_reason]
@@ -474,15 +472,16 @@ def _next_tokens(logits, rows, sampling, generator):
     logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, C, V)
     chosen = _sample(logits, sampling, generator)                                     # (B, C)
     for b, row in enumerate(rows):
-        if _forcing(row):
-            chosen[b, -1] = row.forced[row.num_turns][len(row.token_ids) - row.turn_start]
+        if (forced := _forced_token(row)) is not None:
+            chosen[b, -1] = forced
     chosen_logprobs = logprobs.gather(2, chosen[:, :, None])[:, :, 0]                # (B, C)
     return chosen.tolist(), chosen_logprobs.tolist(), torch.isfinite(logits).all(-1).tolist()
 
 
-def _forcing(row) -> bool:
-    """Whether the row's next token is scripted (forced_turns, a test hook)."""
-    return row.num_turns < len(row.forced) and len(row.token_ids) - row.turn_start < len(row.forced[row.num_turns])
+def _forced_token(row) -> int | None:
+    """The row's next token where it is scripted (forced_turns, a test hook), else None."""
+    turn, done = row.num_turns, len(row.token_ids) - row.turn_start
+    return row.forced[turn][done] if turn < len(row.forced) and done < len(row.forced[turn]) else None
 
 
 def _draft(tokens, k, ngram=3) -> list[int]:
@@ -498,9 +497,10 @@ def _draft(tokens, k, ngram=3) -> list[int]:
     there (so the column's context is what the row really wrote). Every token taken is thus drawn
     from the model's distribution given exactly the row's own past: the trajectory has the
     distribution it has without drafts (the same tokens, greedy), and each log-prob is the one a
-    fresh forward gives. What a draft saves: a forward of 1 + k tokens a row costs little more
-    than one of 1 on a CPU (the weight matmuls are far from their floor at 16 rows), and each
-    confirmed draft is a forward not run. Refused drafts stay in the cache as holes (mask 0) until
+    fresh forward gives. What a draft saves: a forward of 1 + k tokens a row costs well under
+    1 + k forwards of one (the weight matmuls are far from their floor at 16 rows; transformers'
+    attention copies the cache for such forwards, lora.ATTENTION does not), and each confirmed
+    draft is a forward not run. Refused drafts stay in the cache as holes (mask 0) until
     the next flush packs them away."""
     if k == 0:
         return []

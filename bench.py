@@ -1190,9 +1190,9 @@ def main():
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
     parser.add_argument("--sweep-lrs", default="1e-4,3e-4,1e-3", help="sweep: the RL learning rates, comma-separated")
     parser.add_argument("--sweep-ranks", default="4,16", help="sweep: the LoRA ranks, comma-separated")
-    parser.add_argument("--draft", type=int, default=2,
+    parser.add_argument("--draft", type=int, default=None,
                         help="rollout, eval: draft tokens a row checks per forward in the drafted variant (Sampling.draft; "
-                             "train.py's --draft-tokens default)")
+                             "default: train.py's --draft-tokens)")
     parser.add_argument("--variants", default=None,
                         help="update, eval: a comma-separated subset of the variants (default: all)")
     parser.add_argument("--seed", type=int, default=0)
@@ -1200,6 +1200,9 @@ def main():
     if train_flags and args.which not in ("learn", "sweep", "scale", "allocator"):
         parser.error(f"unrecognized arguments: {' '.join(train_flags)}")
     args.train_flags = train_flags  # learn, sweep, scale, allocator: any other flag goes to train.py, for every run (e.g. --temperature 1.0)
+    if args.draft is None:
+        import train
+        args.draft = train.DRAFT_DEFAULT
     benches = {"rollout": bench_rollout, "cache": bench_cache, "judge": bench_judge, "judge-server": bench_judge_server,
                "memory": bench_memory, "update": bench_update, "eval": bench_eval, "gpu": bench_gpu, "learn": bench_learn, "sweep": bench_sweep, "pair": bench_pair, "scale": bench_scale,
                "allocator": bench_allocator}
