@@ -66,7 +66,7 @@ import sql_env
 from files import atomic_folder, atomic_path, write_text_atomic
 
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
-DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts"; 3 and 4 were no faster than 2)
+DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts")
 
 
 # ----------------------------------------------------------------------------- arguments
