@@ -278,7 +278,8 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     forced_turns: a test hook. forced_turns[i][k] is a text that row i (rows are task-major:
         task g, sample j is row g*n + j) emits at the start of turn k instead of sampling; the
         row then samples on. The log-probs recorded for forced tokens are still the raw model's.
-    stats: a dict to fill with engine counters (forward_s, total_s, forwards, fed_tokens, ...).
+    stats: a dict to fill with engine counters (forward_s, total_s, forwards, fed_tokens, ...; the
+        flushes' forwards alone under flush_*: flush_forward_s, flush_forwards, flush_fed_tokens, ...).
     on_message: called as on_message(row, message) when a row records an assistant turn or a tool
         message, while the batch is still decoding: to show an episode as it happens.
     max_rows: at most this many rows decode at once (default: all G*N). The others wait in task
@@ -298,7 +299,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
         prefix, prefix_len = KVCache(model.config), _common_prefix_length(prompts)
         forward(torch.tensor([prompts[0][:prefix_len]], device=model.device),
-                torch.ones((1, prefix_len), dtype=torch.long, device=model.device), prefix)
+                torch.ones((1, prefix_len), dtype=torch.long, device=model.device), prefix, flush=True)
         for r, row in enumerate(rows):
             row.pending = prompts[r // n][prefix_len:]
         counters["prompt_tokens"] = prefix_len
@@ -355,7 +356,8 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
 
             # 5) the turn-synchronous flush: once no row is mid-turn, pack the cache (drop hole columns),
             #    let waiting rows join with the prefix, and feed every row its queued tokens at once
-            if not feed:
+            flush = not feed
+            if flush:
                 mask, dropped = _pack_left(cache, mask)
                 counters["packed_columns"] += dropped
                 joining = [waiting.pop() for _ in range(min(len(waiting), max_rows - len(active)))]
@@ -377,11 +379,12 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             ids, new_mask = _right_aligned([feed.get(r, []) for r in active], pad_id, model.device)   # (B, W) each
             mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
             columns = 1 + max(len(rows[r].drafts) for r in active)
-            logits = forward(ids, mask, cache, columns)     # (B, C, V); a waiting row's are unused
+            logits = forward(ids, mask, cache, columns, flush)     # (B, C, V); a waiting row's are unused
 
     model.train(was_training)
     if stats is not None:
-        stats.update(counters, **forward.counters, forward_s=forward.seconds, total_s=time.perf_counter() - t_start,
+        stats.update(counters, **forward.counters, **{"flush_" + k: v for k, v in forward.flushes.items()},
+                     forward_s=forward.seconds, total_s=time.perf_counter() - t_start,
                      generated_tokens=sum(sum(row.mask) for row in rows))
     trajectories = [_trajectory(row) for row in rows]
     return [TrajectoryGroup(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
@@ -420,10 +423,12 @@ class _Forward:
         # query_key_pairs: attention's work, W new columns each against S+W (bench.py's floor)
         self.counters = dict(forwards=0, fed_tokens=0, fed_columns=0, logit_rows=0, cache_columns=0, query_key_pairs=0)
         self.seconds = 0.0
+        self.flushes = dict.fromkeys([*self.counters, "forward_s"], 0)   # the same, and their time, for the flushes alone
 
-    def __call__(self, ids, mask, cache, columns=1):
+    def __call__(self, ids, mask, cache, columns=1, flush=False):
         """ids (B, W) new tokens, mask (B, S+W) over cache + new columns -> logits (B, C, V) fp32 of
-        the last C = `columns` new columns."""
+        the last C = `columns` new columns. flush: the forward feeds queues (the prompts' prefix, the
+        rest of each prompt, tool messages), counted in `flushes` too."""
         t0 = time.perf_counter()
         W = ids.shape[1]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]   # (B, W): real tokens before each, in its row
@@ -432,13 +437,15 @@ class _Forward:
         logits = self.head(hidden[:, W - columns:]).float()                                     # (B, C, V)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
-        self.seconds += time.perf_counter() - t0
-        self.counters["forwards"] += 1
-        self.counters["fed_tokens"] += int(mask[:, -W:].sum())
-        self.counters["fed_columns"] += ids.numel()
-        self.counters["logit_rows"] += len(ids) * columns
-        self.counters["cache_columns"] += mask.numel()
-        self.counters["query_key_pairs"] += ids.numel() * mask.shape[1]
+        seconds = time.perf_counter() - t0
+        self.seconds += seconds
+        counts = dict(forwards=1, fed_tokens=int(mask[:, -W:].sum()), fed_columns=ids.numel(), logit_rows=len(ids) * columns,
+                      cache_columns=mask.numel(), query_key_pairs=ids.numel() * mask.shape[1])
+        for key, count in counts.items():
+            self.counters[key] += count
+        if flush:
+            for key, count in [*counts.items(), ("forward_s", seconds)]:
+                self.flushes[key] += count
         return logits
 
 

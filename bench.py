@@ -7,7 +7,7 @@
     python bench.py memory    # peak memory of one GRPO update: chunked vs unchunked log-probs
     python bench.py update    # one SFT step: lm_head at trained positions, one sequence at a time, the prompt once
     python bench.py update --variants trained-mb1,prefix-mb1   # any benchmark with variants: a subset, first = baseline
-    python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: continuous batching vs batches
+    python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: batching, drafts, 2 processes; the floor
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
     python bench.py learn --grpo-seeds 2   # GRPO twice (seeds 0 and 1): each run, and their mean against every arm
@@ -125,7 +125,8 @@ def bench_rollout(args):
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
-    floors, bandwidth, flops = rollout_floor(model, stats)
+    bandwidth, flops = machine_rates()
+    floors = floor_seconds(forward_work(model, stats), bandwidth, flops)
     print(f"floor: this machine, measured now: {bandwidth / 1e9:.1f} GB/s (a 1 GiB copy), {flops / 1e9:.0f} GFLOP/s "
           f"(a 2048^2 fp32 matmul); the forwards' bytes and FLOPs need at least {floors['all']:.1f} s, they took "
           f"{stats['forward_s']:.1f} s: ours is {stats['forward_s'] / floors['all']:.1f}x the floor")
@@ -154,41 +155,54 @@ def profiled_seconds(run, ops) -> dict:
     return {name: inclusive.get(op, 0.0) for name, op in ops.items()}
 
 
-def rollout_floor(model, stats):
-    """The least time the rollout's forward passes could take on this machine: the larger of (bytes
-    they must read / memory bandwidth) and (their FLOPs / matmul throughput), both measured here.
+def forward_work(model, stats, prefix="") -> dict:
+    """What the rollout's forward passes had to do, from the engine's counters (`stats`, or its
+    flush_* part with prefix="flush_"): bytes read and FLOPs, for the weight matmuls and attention.
     Weight matmuls read the weights once per forward and do 2 FLOPs per weight per fed token (the
-    lm_head once per row); attention reads every KV column each forward attends (holes too) and does
-    4 * layers * heads * head_dim FLOPs per query-key pair. Totals over the rollout, so a little
-    under the sum of per-step floors. Returns ({"weight matmuls", "attention", "all": floor seconds},
-    bytes/s, FLOP/s)."""
-    src = torch.empty(2**28)                                    # 1 GiB of fp32
-    dst = torch.empty_like(src)
-    dst.copy_(src)
-    t0 = time.perf_counter()
-    for _ in range(3):
-        dst.copy_(src)
-    bandwidth = 3 * 2 * src.numel() * 4 / (time.perf_counter() - t0)   # read + write
-    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
-    a @ b
-    t0 = time.perf_counter()
-    for _ in range(5):
-        a @ b
-    flops = 5 * 2 * 2048**3 / (time.perf_counter() - t0)
+    lm_head once per row and draft); attention reads every KV column each forward attends (holes
+    too) and does 4 * layers * heads * head_dim FLOPs per query-key pair. Totals over the rollout, so
+    a little under the sum of per-step floors. Additive: the work of two processes is the sum."""
     c = model.config
     head_dim = getattr(c, "head_dim", None) or c.hidden_size // c.num_attention_heads
-    weights = sum(p.numel() for p in model.parameters())      # a tied embedding and head count once
+    import lora
+    adapter = sum(p.numel() for p in lora.lora_parameters(model))   # generation reads merged weights, not A and B
+    weights = sum(p.numel() for p in model.parameters()) - adapter   # a tied embedding and head count once
     head = model.get_output_embeddings().weight.numel()
     layers = weights - head - (0 if c.tie_word_embeddings else model.get_input_embeddings().weight.numel())
     kv_column = c.num_hidden_layers * 2 * c.num_key_value_heads * head_dim * 4   # fp32 K and V of one token
-    matmul_bytes = stats["forwards"] * (layers + head) * 4    # the lookup table is not read whole
-    matmul_work = 2 * layers * stats["fed_columns"] + 2 * head * stats["logit_rows"]
-    attention_bytes = stats["cache_columns"] * kv_column
-    attention_work = 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * stats["query_key_pairs"]
-    floors = {"weight matmuls": max(matmul_bytes / bandwidth, matmul_work / flops),
-              "attention": max(attention_bytes / bandwidth, attention_work / flops),
-              "all": max((matmul_bytes + attention_bytes) / bandwidth, (matmul_work + attention_work) / flops)}
-    return floors, bandwidth, flops
+    count = {k: stats[prefix + k] for k in ("forwards", "fed_columns", "logit_rows", "cache_columns", "query_key_pairs")}
+    return {"matmul_bytes": count["forwards"] * (layers + head) * 4,   # the lookup table is not read whole
+            "matmul_flops": 2 * layers * count["fed_columns"] + 2 * head * count["logit_rows"],
+            "attention_bytes": count["cache_columns"] * kv_column,
+            "attention_flops": 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * count["query_key_pairs"]}
+
+
+def machine_rates(trials=5) -> tuple[float, float]:
+    """This machine, measured now with this process's threads: memory bandwidth (bytes/s, a 1 GiB
+    copy) and matmul throughput (FLOP/s, a 2048^2 fp32 matmul), each the fastest of `trials` (on a
+    shared machine a slow trial measures the neighbours, not the machine)."""
+    def fastest(run):
+        run()
+        times = []
+        for _ in range(trials):
+            t0 = time.perf_counter()
+            run()
+            times.append(time.perf_counter() - t0)
+        return min(times)
+    src = torch.empty(2**28)                                    # 1 GiB of fp32
+    dst = torch.empty_like(src)
+    bandwidth = 2 * src.numel() * 4 / fastest(lambda: dst.copy_(src))   # read + write
+    a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
+    return bandwidth, 2 * 2048**3 / fastest(lambda: a @ b)
+
+
+def floor_seconds(work, bandwidth, flops) -> dict:
+    """The least time that work could take here: the larger of its bytes over the bandwidth and its
+    FLOPs over the matmul rate, for the weight matmuls, attention, and all of it."""
+    return {"weight matmuls": max(work["matmul_bytes"] / bandwidth, work["matmul_flops"] / flops),
+            "attention": max(work["attention_bytes"] / bandwidth, work["attention_flops"] / flops),
+            "all": max((work["matmul_bytes"] + work["attention_bytes"]) / bandwidth,
+                       (work["matmul_flops"] + work["attention_flops"]) / flops)}
 
 
 # ---------------------------------------------------------------- KV cache (agentrl.KVCache)
@@ -411,11 +425,13 @@ def bench_judge_server(args):
 CHILD_VARIANT = "AGENTRL_BENCH_MEMORY_VARIANT"   # set in a child process: which measurement it runs
 
 
-def in_fresh_process(argv, variant):
+def in_fresh_process(argv, variant, hand_back_memory=True):
     """`python bench.py *argv` in a child process told to measure `variant`: the JSON its last line
     prints. A fresh process inherits no allocator state, and MALLOC_MMAP_THRESHOLD_ makes glibc hand
-    every freed tensor back to the OS at once, so on a CPU the resident set tracks live memory."""
-    env = {**os.environ, CHILD_VARIANT: variant, "MALLOC_MMAP_THRESHOLD_": "65536"}
+    every freed tensor back to the OS at once, so on a CPU the resident set tracks live memory.
+    hand_back_memory=False: glibc as train.py runs it (the resident peak then counts freed memory
+    glibc keeps; the times are train.py's, where handing every freed tensor back costs time)."""
+    env = {**os.environ, CHILD_VARIANT: variant, **({"MALLOC_MMAP_THRESHOLD_": "65536"} if hand_back_memory else {})}
     out = subprocess.run([sys.executable, os.path.abspath(__file__), *argv],
                          env=env, stdout=subprocess.PIPE, text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
@@ -587,10 +603,13 @@ def bench_update(args):
 
 # ---------------------------------------------------------------- eval (train.py's evaluation)
 # name: (how tasks are batched, rows at a time, drafts (--draft) or not, the attention: None is
-# lora.ATTENTION, what train.py runs; "sdpa" is transformers' own, which repeats keys and values for drafts)
-EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None), "continuous-32": ("continuous", 32, False, None),
-                 "continuous-16": ("continuous", 16, False, None), "drafts-16": ("continuous", 16, True, None),
-                 "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa")}
+# lora.ATTENTION, what train.py runs; "sdpa" is transformers' own, which repeats keys and values for
+# drafts; processes: forked, one thread each, each with a contiguous share of the tasks and its own
+# 16 rows, as train.py --eval-processes runs them)
+EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None, 1), "continuous-32": ("continuous", 32, False, None, 1),
+                 "continuous-16": ("continuous", 16, False, None, 1), "drafts-16": ("continuous", 16, True, None, 1),
+                 "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa", 1),
+                 "drafts-16-2-processes": ("continuous", 16, True, None, 2)}
 
 
 def bench_eval(args):
@@ -599,33 +618,58 @@ def bench_eval(args):
     episode, against one engine call where a finished episode's place is taken by the next task
     (continuous batching), with 32 and with 16 rows at a time; with 16, and --draft tokens a row
     guessed and checked in each forward (Sampling.draft), with our attention and with transformers'
-    (which copies keys and values per query head for several query tokens). Each variant in a fresh process:
-    its time, its peak resident memory (the whole process: model, adapter, caches), the engine's
-    counters, and the outcomes, which greedy decoding makes (nearly) the same in every variant.
+    (which copies keys and values per query head for several query tokens), and in two processes of
+    one thread each (train.py --eval-processes 2). Each variant in a fresh process, with glibc's
+    malloc as train.py runs it: its time, its peak resident memory (the whole process: model,
+    adapter, caches, and the freed memory malloc keeps; with forked processes, this one's peak and
+    what each forked one added to the pages it started with), the engine's counters, and
+    the outcomes, which greedy decoding makes (nearly) the same in every variant. Then where the time goes: each variant's time against
+    the floor of its forwards' work (bench.py rollout's floor, this machine's rates measured after
+    the variants ran), and the flushes' forwards (prompts and tool messages, many tokens a row)
+    apart from the decode forwards (a token and its drafts a row).
     """
     variant = os.environ.get(CHILD_VARIANT)
     if variant is None:
         argv = ["eval", "--split", args.split, "--tasks", str(args.tasks), "--draft", str(args.draft),
                 *(["--adapter", args.adapter] if args.adapter else [])]
-        results = {v: in_fresh_process(argv, v) for v in chosen_variants(args, EVAL_VARIANTS)}
+        results = {v: in_fresh_process(argv, v, hand_back_memory=False) for v in chosen_variants(args, EVAL_VARIANTS)}
         base = next(iter(results.values()))   # the first variant measured is the baseline
         print(f"\ngreedy evaluation of {base['tasks']} {args.split} tasks, {args.adapter or 'the base model'}, "
               f"{base['limits']} | {base['device']}")
-        print(f"{'variant':<16}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
+        print(f"{'variant':<22}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
               f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'drafts taken':>14}")
         for v, r in results.items():
             same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
-            print(f"{v:<16}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
+            print(f"{v:<22}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
                   f"{r['logit_rows'] / r['forwards']:>14.1f}{r['forwards']:>10}{r['peak_gib']:>9.2f} GiB"
                   f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}"
                   f"{r['accepted_drafts']:>7}/{r['drafted_tokens']}")
+        bandwidth, flops = machine_rates()
+        print(f"where the time goes, against the floor (this machine now, {torch.get_num_threads()} threads: {bandwidth / 1e9:.1f} GB/s, "
+              f"{flops / 1e9:.0f} GFLOP/s): the whole evaluation; the flushes' forwards (the prompts and the tool "
+              f"messages, fed many tokens a row: {100 * base['flush_fed_tokens'] / base['fed_tokens']:.0f}% of the tokens fed in "
+              f"{base['flush_forwards']} of {base['forwards']} forwards, first variant); the decode forwards (a token and its drafts a row)")
+        print(f"{'variant':<22}{'time':>9}{'floor':>9}{'x floor':>9}{'in forwards':>13}{'flushes':>10}{'x floor':>9}"
+              f"{'decode':>9}{'x floor':>9}")
+        for v, r in results.items():
+            floor = floor_seconds(r["work"], bandwidth, flops)["all"]
+            decode_work = {k: r["work"][k] - r["flush_work"][k] for k in r["work"]}
+            flush_s, decode_s = r["flush_forward_s"], r["forward_s"] - r["flush_forward_s"]   # summed over a variant's processes
+            if r["processes"] == 1:
+                parts = (f"{flush_s:>9.0f}s{flush_s / floor_seconds(r['flush_work'], bandwidth, flops)['all']:>8.1f}x"
+                         f"{decode_s:>8.0f}s{decode_s / floor_seconds(decode_work, bandwidth, flops)['all']:>8.1f}x")
+            else:   # its processes' times add up to more than the wall time: only their shares are worth printing
+                parts = f"{100 * flush_s / r['forward_s']:>9.0f}%{'':>9}{100 * decode_s / r['forward_s']:>8.0f}%{'':>9}"
+            print(f"{v:<22}{r['seconds']:>8.0f}s{floor:>8.0f}s{r['seconds'] / floor:>8.1f}x"
+                  f"{100 * r['forward_s'] / r['total_s']:>12.0f}%{parts}")
         return
 
     import agentrl
     import lora
+    import parallel
     import sql_env
     import train
-    mode, rows, drafts, attention = EVAL_VARIANTS[variant]
+    mode, rows, drafts, attention, processes = EVAL_VARIANTS[variant]
     defaults = train.parse_args([])
     limits = agentrl.Limits(defaults.max_turns, defaults.max_new_tokens, defaults.max_context)
     model, tokenizer = lora.load_model()
@@ -634,21 +678,29 @@ def bench_eval(args):
         lora.load_adapter(model, lora.find_adapter(args.adapter))
     tasks = sql_env.load_tasks("default", args.split)
     tasks = tasks[:args.tasks] if args.tasks else tasks
-    greedy, stats, groups = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0), {}, []
+    greedy = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0)
+
+    def episodes(share, max_rows):       # outcomes, engine counters, how far this process's peak rose above its start
+        start, stats = resident_bytes("VmRSS"), {}
+        groups = agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, stats=stats, max_rows=max_rows)
+        return "".join("1" if g.trajectories[0].correct else "0" for g in groups), stats, resident_bytes("VmHWM") - start
     t0 = time.perf_counter()
     if mode == "batches":
-        for i in range(0, len(tasks), rows):
-            part = {}
-            groups += agentrl.rollout_groups(model, tokenizer, tasks[i:i + rows], 1, greedy, limits, stats=part)
-            stats = {k: stats.get(k, 0) + v for k, v in part.items()}
+        shares = [episodes(tasks[i:i + rows], None) for i in range(0, len(tasks), rows)]
+    elif processes > 1:
+        shares = parallel.forked(lambda share: episodes(share, rows), tasks, processes)
     else:
-        groups = agentrl.rollout_groups(model, tokenizer, tasks, 1, greedy, limits, stats=stats, max_rows=rows)
+        shares = [episodes(tasks, rows)]
     seconds = time.perf_counter() - t0
-    print(json.dumps({"seconds": seconds, "tasks": len(tasks), "peak_gib": resident_bytes("VmHWM") / 2**30,
-                      "outcomes": "".join("1" if g.trajectories[0].correct else "0" for g in groups),
-                      "forwards": stats["forwards"], "logit_rows": stats["logit_rows"], "device": "cpu",
-                      "drafted_tokens": stats["drafted_tokens"], "accepted_drafts": stats["accepted_drafts"],
-                      "limits": f"{limits.max_turns} turns x {limits.max_new_tokens} tokens"}))
+    stats = {k: sum(share[1][k] for share in shares) for k in shares[0][1]}
+    # forked: a child starts with this process's pages resident (shared, counted here once); what it adds is its own
+    peak = resident_bytes("VmHWM") + (sum(share[2] for share in shares) if processes > 1 else 0)
+    print(json.dumps({"seconds": seconds, "tasks": len(tasks), "peak_gib": peak / 2**30, "processes": processes,
+                      "outcomes": "".join(share[0] for share in shares),
+                      "work": forward_work(model, stats), "flush_work": forward_work(model, stats, "flush_"),
+                      **{k: stats[k] for k in ("forwards", "logit_rows", "drafted_tokens", "accepted_drafts", "forward_s",
+                                               "total_s", "fed_tokens", "flush_forward_s", "flush_forwards", "flush_fed_tokens")},
+                      "device": "cpu", "limits": f"{limits.max_turns} turns x {limits.max_new_tokens} tokens"}))
 
 
 # ---------------------------------------------------------------- learn (train.py)

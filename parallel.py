@@ -28,6 +28,10 @@ What is synchronized, and what is not:
   NCCL, torch's watchdog may end the process itself on a timeout); torchrun then ends the job.
   Nothing waits forever.
 
+One more helper, apart from torchrun: `forked` runs a function on shares of a list in processes
+forked from this one, one thread each (train.py --eval-processes: on a CPU, evaluations use every
+core better that way; its docstring says why).
+
 Simplifications: the supervised warm start (--sft-steps) is not split: every process runs the
 same one, and share_state then hands rank 0's result to all. LoRA dropout draws from each
 process's own torch RNG, and a checkpoint stores rank 0's: after a resume with --lora-dropout > 0
@@ -36,7 +40,9 @@ other randomness of the loop uses that RNG).
 """
 import datetime
 import io
+import multiprocessing
 import os
+import traceback
 
 import torch
 import torch.distributed as dist
@@ -92,8 +98,12 @@ def _collective(function, *args, **kwargs):
 
 def shard(items):
     """This process's contiguous share of `items`; in rank order the shares are `items` again."""
-    k, r = world_size(), rank()
-    return items[len(items) * r // k: len(items) * (r + 1) // k]
+    return share_of(items, rank(), world_size())
+
+
+def share_of(items, i, count):
+    """Share i of `count` contiguous shares of `items`, their sizes differing by at most one."""
+    return items[len(items) * i // count: len(items) * (i + 1) // count]
 
 
 def gather(item):
@@ -155,6 +165,61 @@ def gather_step(groups, rewards, results, counts, stats, judge_failed, times):
     judge_failed = sum(share[5] for share in shares)
     times = {key: max(share[6][key] for share in shares) for key in times}
     return groups, rewards, results, counts, stats, judge_failed, times
+
+
+def forked(function, items, processes):
+    """[function(share) for each of `processes` contiguous shares of `items`] (fewer when there are
+    fewer items), each share run in its own process forked from this one, all at once, with one
+    thread each: on a CPU, a local way to use every core (train.py --eval-processes), apart from
+    torchrun's.
+
+    Why it pays: a decode forward's matmuls (a few dozen rows against each weight) gain little from
+    a second thread, and Python's share of a step runs on one core while the other waits; two
+    processes of one thread keep both cores busy (README: Benchmarks, bench.py eval). Why fork: a
+    child starts with the model already loaded, its pages shared with this process; each child
+    then builds its own merged weights for generation (lora.lora_merged), about one more copy of
+    the adapted layers per child. Why one thread: GNU OpenMP in a forked child hangs at its first
+    parallel region once the parent has used one, so a child must never start a team. A child that
+    raises sends its traceback, and the parent raises it; a child that dies (killed for memory) is
+    an error that says so; if the parent is interrupted, its children are stopped."""
+    context = multiprocessing.get_context("fork")
+    processes = max(1, min(processes, len(items)))
+    children, results, failure = [], [], None
+    try:
+        for i in range(processes):
+            receive, send = context.Pipe(duplex=False)
+            child = context.Process(target=_run_forked, args=(function, share_of(items, i, processes), send), daemon=True)
+            child.start()
+            send.close()                      # the child holds the only writing end: EOF if it dies
+            children.append((child, receive))
+        for child, receive in children:
+            try:
+                ok, value = receive.recv()
+            except (EOFError, OSError):
+                ok, value = False, "it died without a result (killed: out of memory?)"
+            child.join()
+            if not ok:
+                failure = failure or f"a forked process (pid {child.pid}, exit code {child.exitcode}) failed: {value}"
+            results.append(value)
+    finally:
+        for child, receive in children:
+            receive.close()
+            if child.is_alive():
+                child.terminate()
+                child.join()
+    if failure:
+        raise RuntimeError(failure)
+    return results
+
+
+def _run_forked(function, share, send):
+    torch.set_num_threads(1)
+    try:
+        send.send((True, function(share)))
+    except BaseException:
+        send.send((False, traceback.format_exc()))
+    finally:
+        send.close()
 
 
 def share_state(model, optimizer, scaler, extra=None):

@@ -67,6 +67,7 @@ from files import atomic_folder, atomic_path, write_text_atomic
 
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
 DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts")
+EVAL_PROCESSES_DEFAULT = 1      # --eval-processes
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -182,6 +183,10 @@ def parse_args(argv=None):
     g = p.add_argument_group("evaluation and output")
     g.add_argument("--eval-every", type=int, default=10 if on_gpu else 0, help="evaluate every K steps (0: only before and after training)")
     g.add_argument("--eval-size", type=int, default=0 if on_gpu else 32, help="held-out tasks per evaluation (0: all); the same ones whatever --seed")
+    g.add_argument("--eval-processes", type=int, default=EVAL_PROCESSES_DEFAULT,
+                   help="on a CPU, evaluate in this many processes forked from the run, one thread each, each a share "
+                        "of the tasks (parallel.forked; README, Benchmarks: bench.py eval); 1: in the run's own process. "
+                        "Ignored on a GPU; under torchrun, per process")
     g.add_argument("--eval-only", action="store_true",
                    help="evaluate --model/--adapter on --eval-split, write the record and episodes to --out, and exit")
     g.add_argument("--start-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -219,6 +224,8 @@ def parse_args(argv=None):
         p.error("--target-entropy must be >= 0 (0: a constant --temperature)")
     if not 0 <= args.draft_tokens <= 16:
         p.error("--draft-tokens must be in [0, 16]")
+    if not 1 <= args.eval_processes <= 64:
+        p.error("--eval-processes must be in [1, 64]")
     if args.data != "default" and not os.path.isdir(args.data):
         p.error(f"--data {args.data!r}: no such folder (expected 'default' or a Spider/BIRD folder)")
     if args.adapter and not os.path.isfile(os.path.join(args.adapter, "adapter_config.json")):
@@ -437,17 +444,24 @@ def behaviour(trajectories):
     }
 
 
-def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0):
+def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, processes=1):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters. All tasks go through one engine call, `max_rows` episodes at a
     time, a finished episode's place taken by the next task (continuous batching). 16 rows, not
     32: the KV cache is rows x context (16 x 2048 tokens of this model is 1.5 GB, three times
     its weights) and 32 rows were only 1.09x faster (README: bench.py eval). path: a .jsonl file to
-    write every episode to, to read what the agent did on each held-out task. draft: Sampling.draft."""
+    write every episode to, to read what the agent did on each held-out task. draft: Sampling.draft.
+    processes: on a CPU, that many forked processes of one thread each, each with a contiguous share
+    of the tasks and its own `max_rows` (parallel.forked)."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    groups = agentrl.rollout_groups(model, tokenizer, mine, 1, agentrl.Sampling(greedy=True, draft=draft), limits,
-                                    max_rows=max_rows)
-    trajectories = [g.trajectories[0] for g in groups]
+    greedy = agentrl.Sampling(greedy=True, draft=draft)
+
+    def episodes(share):
+        return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
+    if processes > 1 and model.device.type == "cpu":
+        trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
+    else:
+        trajectories = episodes(mine)
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
     if path and parallel.is_main():
         write_text_atomic(path, "".join(json.dumps(episode_record(task, t)) + "\n" for task, t in zip(tasks, trajectories)))
@@ -467,15 +481,15 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0):
     }
 
 
-def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, draft=0):
+def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, draft=0, processes=1):
     """One evaluation record for every held-out split: the first split's metrics under the eval_*
     keys every reader knows (plot, summary, bench.py learn), each other split's under its own name
     (eval_accuracy -> test_schema_accuracy), and eval_split naming the first. With run_dir, the
-    episodes go to run_dir/evals/<label>_<split>.jsonl."""
+    episodes go to run_dir/evals/<label>_<split>.jsonl. draft, processes: as evaluate's."""
     record = {}
     for i, (split, tasks) in enumerate(eval_sets.items()):
         path = os.path.join(run_dir, "evals", f"{label}_{split}.jsonl") if run_dir else None
-        metrics = evaluate(model, tokenizer, tasks, limits, path=path, draft=draft)
+        metrics = evaluate(model, tokenizer, tasks, limits, path=path, draft=draft, processes=processes)
         record.update(metrics if i == 0 else {split + k[len("eval"):]: v for k, v in metrics.items()})
     return {"eval_split": next(iter(eval_sets)), **record}
 
@@ -627,7 +641,8 @@ def run_process(args, device):
         eval_sets[split] = random.Random(0).sample(tasks, min(args.eval_size, len(tasks))) if args.eval_size else tasks
     limits = agentrl.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
     if args.eval_only:      # the record (per-task outcomes: pair it with another) and every episode stay in --out
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "eval_only", args.draft_tokens)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "eval_only",
+                                 args.draft_tokens, args.eval_processes)
         if parallel.is_main():
             write_text_atomic(os.path.join(args.out, "eval_only.json"), json.dumps({"adapter": args.adapter, "data": args.data, **record}) + "\n")
         print(f"eval on {args.data}:\n{format_evals(record, args.eval_splits)}\nrecord and episodes: {args.out}")
@@ -744,7 +759,8 @@ def run_process(args, device):
 
         # 7) evaluate and checkpoint
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
-            record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{step:04d}", args.draft_tokens)
+            record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{step:04d}",
+                                     args.draft_tokens, args.eval_processes)
             append_jsonl(metrics_path, {"step": step, **record})
             tqdm.write(f"eval step {step}:\n{format_evals(record, args.eval_splits)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
@@ -756,7 +772,8 @@ def run_process(args, device):
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < args.steps:
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{args.steps:04d}", args.draft_tokens)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{args.steps:04d}",
+                                 args.draft_tokens, args.eval_processes)
         append_jsonl(metrics_path, {"step": args.steps, **record})
     if not parallel.is_main():   # rank 0 saves the adapter and reports
         return None
@@ -779,12 +796,14 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
     if args.start_eval:
         phase = "start" if args.adapter else "base"
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase, args.draft_tokens)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase,
+                                 args.draft_tokens, args.eval_processes)
         append_jsonl(metrics_path, {"step": 0, "phase": phase, **record})
         print(f"eval step 0 ({args.adapter or 'base model'}):\n{format_evals(record, args.eval_splits)}")
     if args.sft_steps:
         warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft", args.draft_tokens)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft",
+                                 args.draft_tokens, args.eval_processes)
         append_jsonl(metrics_path, {"step": 0, "phase": "sft", **record})
         print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 

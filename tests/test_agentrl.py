@@ -179,6 +179,21 @@ def test_rollout_prompt_prefix_encoded_once(scripted, smol_tokenizer):
     assert stats["prompt_tokens"] == shared + sum(n * (len(ids) - shared) for ids in prompts)
 
 
+def test_flush_counters_hold_the_prompts_and_tool_messages(scripted):
+    """The flushes' forwards (bench.py eval's "where the time goes") feed the prompts (the shared
+    prefix, then each row's rest), every tool message with the next assistant header, and the last
+    token of each turn that goes on (sampled, not yet in the cache); the decode forwards feed every
+    other sampled token but each row's last, which ends the row unfed. One token a forward here."""
+    _, _, groups, stats = scripted("llama", "smol_tokenizer")
+    trajs = [t for g in groups for t in g.trajectories]
+    turns_going_on = sum(t.num_turns - 1 for t in trajs)
+    assert stats["flush_fed_tokens"] == stats["prompt_tokens"] + stats["appended_tokens"] + turns_going_on
+    decode_fed = stats["fed_tokens"] - stats["flush_fed_tokens"]
+    assert decode_fed == sum(sum(t.assistant_mask) for t in trajs) - turns_going_on - len(trajs)
+    assert 0 < stats["flush_forwards"] < stats["forwards"] and 0 < stats["flush_forward_s"] < stats["forward_s"]
+    assert stats["flush_fed_columns"] >= stats["flush_fed_tokens"]
+
+
 def test_rollout_is_reproducible_from_seed(tiny_llama, smol_tokenizer):
     """Same seed, same tokens; another seed, other tokens (sampling goes through the generator)."""
     def run(seed):

@@ -184,6 +184,27 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
     assert parts["matmuls"] + parts["attention"] < wall
 
 
+def test_forward_work_counts_the_flops_torch_counts(tiny_llama):
+    """The floor's FLOPs (bench.forward_work, from the engine's counters) are the ones torch's FLOP
+    counter sees in the same forwards: a 120-token prompt fed to 3 rows as a flush, then one token a
+    row against the cache (norm weights count as matmul weights: well under 1%). Eager attention,
+    whose matmuls the counter sees (it counts nothing for SDPA on a CPU)."""
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    import agentrl
+    tiny_llama.set_attn_implementation("eager")
+    forward, cache = agentrl._Forward(tiny_llama), agentrl.KVCache(tiny_llama.config)
+    mask = torch.ones((3, 120), dtype=torch.long)
+    with torch.no_grad(), FlopCounterMode(display=False) as counter:
+        forward(torch.randint(0, 100, (3, 120)), mask, cache, flush=True)
+        forward(torch.randint(0, 100, (3, 1)), torch.cat([mask, torch.ones((3, 1), dtype=torch.long)], 1), cache)
+    stats = {**forward.counters, **{"flush_" + k: v for k, v in forward.flushes.items()}}
+    work, flush = bench.forward_work(tiny_llama, stats), bench.forward_work(tiny_llama, stats, "flush_")
+    assert work["matmul_flops"] + work["attention_flops"] == pytest.approx(counter.get_total_flops(), rel=0.005)
+    assert 0 < flush["matmul_flops"] < work["matmul_flops"] and 0 < flush["attention_flops"] < work["attention_flops"]
+    assert bench.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
+
+
 def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """bench.py allocator end to end on the tiny model: three fresh train.py runs (activations kept
     under two malloc settings, then recomputed), each row with its peak resident set and its

@@ -209,3 +209,45 @@ def test_merged_stats_by_hand():
     assert merged["loss"] == -0.25 and merged["sequences"] == 5 and merged["forwarded_tokens"] == 40
     assert merged["clip_frac_low"] == pytest.approx(0.4) and merged["entropy"] == pytest.approx(1.75)
     assert merged["grad_norm"] == 3.0 and merged["kl"] is None and not merged["skipped"]
+
+
+# ----------------------------------------------------------------------------- forked (--eval-processes)
+def test_forked_runs_each_share_in_a_child_of_one_thread_in_order():
+    results = parallel.forked(lambda share: (share, os.getpid(), torch.get_num_threads()), list(range(7)), 3)
+    assert [share for share, _, _ in results] == [[0, 1], [2, 3], [4, 5, 6]]
+    assert len({pid for _, pid, _ in results} | {os.getpid()}) == 4 and {t for _, _, t in results} == {1}
+    assert [share for share, _, _ in parallel.forked(lambda share: (share, 0, 0), [1, 2], 4)] == [[1], [2]]   # no empty share
+
+
+def test_forked_raises_what_a_child_raised_and_says_when_one_died():
+    def fails_on_four(share):
+        if 4 in share:
+            raise ValueError("no share with a four")
+        return share
+    with pytest.raises(RuntimeError, match="ValueError: no share with a four"):
+        parallel.forked(fails_on_four, list(range(6)), 2)
+    with pytest.raises(RuntimeError, match="died without a result"):
+        parallel.forked(lambda share: os._exit(3), [1, 2], 2)
+
+
+def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenizer, monkeypatch, tmp_path):
+    """train.py --eval-processes 2: the same episodes, in task order, as in the run's own process,
+    and the forks really ran. Both at one thread; the shares' batches are narrower, so greedy
+    choices could only differ on a near-tie of logits, which these 5 tasks do not have."""
+    from conftest import build_tiny_model
+    import agentrl
+    model, tasks = build_tiny_model("llama"), splits["test"][:5]
+    limits = agentrl.Limits(max_turns=2, max_new_tokens=12, max_context=1024)
+    forks = []
+    monkeypatch.setattr(parallel, "forked", lambda *a, forked=parallel.forked: forks.append(a[2]) or forked(*a))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        one = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "one.jsonl"), draft=2)
+        two = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "two.jsonl"), draft=2, processes=2)
+    finally:
+        torch.set_num_threads(threads)
+    assert forks == [2] and one == two
+    assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
+    assert [json.loads(line)["task_id"] for line in open(tmp_path / "two.jsonl")] == [t.id for t in tasks]
+
