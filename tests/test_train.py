@@ -140,6 +140,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--steps", "-1"], "steps"),
     (["--temperature", "0"], "temperature"),
     (["--draft-tokens", "-1"], "draft-tokens"),
+    (["--eval-processes", "0"], "eval-processes"),
     (["--target-entropy", "-0.1"], "target-entropy"),
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
