@@ -916,8 +916,12 @@ def print_summary(args, metrics_path, final_dir):
         print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/{sum(r['submitted_groups'] for r in steps)} groups "
               f"mixed, sampled tokens' entropy {sum(entropies) / max(1, len(entropies)):.3f} nats, "
               f"temperature {temperatures[0]:.2f}{steered}")
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
-    print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started)")
+    unit = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit if args.eval_processes > 1 else 0
+    forked = (f"; the largest of the {args.eval_processes} evaluation processes forked at once {children / 2**30:.1f} GiB, "
+              f"the pages it shares with this one included" if children else "")
+    print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started){forked}")
     print(f"adapter:    {final_dir}  (PEFT layout)")
     print(f"metrics:    {metrics_path}   plot: {os.path.join(args.out, 'progress.png')}   "
           f"report: {os.path.join(args.out, 'report.html')}")
