@@ -653,9 +653,9 @@ def bench_eval(args):
               f"{'decode':>9}{'x floor':>9}")
         for v, r in results.items():
             floor = floor_seconds(r["work"], bandwidth, flops)["all"]
-            decode_work = {k: r["work"][k] - r["flush_work"][k] for k in r["work"]}
             flush_s, decode_s = r["flush_forward_s"], r["forward_s"] - r["flush_forward_s"]   # summed over a variant's processes
             if r["processes"] == 1:
+                decode_work = {k: r["work"][k] - r["flush_work"][k] for k in r["work"]}
                 parts = (f"{flush_s:>9.0f}s{flush_s / floor_seconds(r['flush_work'], bandwidth, flops)['all']:>8.1f}x"
                          f"{decode_s:>8.0f}s{decode_s / floor_seconds(decode_work, bandwidth, flops)['all']:>8.1f}x")
             else:   # its processes' times add up to more than the wall time: only their shares are worth printing

@@ -147,3 +147,14 @@ def splits(cache):
     import retail
     import sql_env
     return {split: sql_env.load_tasks(split=split) for split in retail.SPLITS}
+
+
+@pytest.fixture
+def forks(monkeypatch):
+    """The process counts parallel.forked was called with, in order (it still forks)."""
+    import parallel
+    calls, forked = [], parallel.forked
+    monkeypatch.setattr(parallel, "forked", lambda function, items, processes: calls.append(processes)
+                        or forked(function, items, processes))
+    return calls
+

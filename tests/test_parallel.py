@@ -230,7 +230,7 @@ def test_forked_raises_what_a_child_raised_and_says_when_one_died():
         parallel.forked(lambda share: os._exit(3), [1, 2], 2)
 
 
-def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenizer, monkeypatch, tmp_path):
+def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenizer, forks, tmp_path):
     """train.py --eval-processes 2: the same episodes, in task order, as in the run's own process,
     and the forks really ran. Both at one thread; the shares' batches are narrower, so greedy
     choices could only differ on a near-tie of logits, which these 5 tasks do not have."""
@@ -238,8 +238,6 @@ def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenize
     import agentrl
     model, tasks = build_tiny_model("llama"), splits["test"][:5]
     limits = agentrl.Limits(max_turns=2, max_new_tokens=12, max_context=1024)
-    forks = []
-    monkeypatch.setattr(parallel, "forked", lambda *a, forked=parallel.forked: forks.append(a[2]) or forked(*a))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:

@@ -490,12 +490,9 @@ def test_behaviour_counts_by_hand():
     assert none["failed_submit_rate"] is None and none["turns_to_submit"] is None and none["describe_rate"] == 1.0
 
 
-def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_path, capsys, monkeypatch):
+def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_path, capsys, forks):
     """--eval-processes 2: the run evaluates in forked processes (both evaluations, before and after)
     and its summary says how much the largest of them held, beside this process's peak."""
-    import parallel
-    forks = []
-    monkeypatch.setattr(parallel, "forked", lambda *a, forked=parallel.forked: forks.append(a[2]) or forked(*a))
     train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-processes", "2"))
     assert forks == [2] * 4             # 2 held-out splits, at the start and at the end
     memory = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:"))
