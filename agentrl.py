@@ -270,7 +270,8 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, stats=None, on_message=None, max_rows=None) -> list[TrajectoryGroup]:
+                   make_env=None, forced_turns=None, stats=None, on_message=None, max_rows=None,
+                   share_histories=True) -> list[TrajectoryGroup]:
     """N trajectories for each task, decoded in one batch (the steps in the docstring).
 
     make_env: task -> environment (default sql_env.SQLEnv), with .tools, .call(name, args), .done,
@@ -284,7 +285,11 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         message, while the batch is still decoding: to show an episode as it happens.
     max_rows: at most this many rows decode at once (default: all G*N). The others wait in task
         order and join at a flush, in the places of finished rows (continuous batching), so one
-        call runs a whole evaluation without waiting on the slowest row of each batch."""
+        call runs a whole evaluation without waiting on the slowest row of each batch.
+    share_histories: at a flush, rows whose tokens so far are the same (a group's samples, through
+        the turns they agree on: the rest of the prompt, the same first calls and tool results) are
+        fed once, in one row, and the cache row and logits copied to the others. False: every row
+        fed (bench.py rollout's baseline)."""
     t_start, was_training = time.perf_counter(), model.training
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
@@ -375,11 +380,23 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                 break
 
             # 6) one forward for all rows over what they were fed; logits for each row's last token and
-            #    its drafts (right-aligned, so the last C columns, C = 1 + the most drafts of a row)
-            ids, new_mask = _right_aligned([feed.get(r, []) for r in active], pad_id, model.device)   # (B, W) each
+            #    its drafts (right-aligned, so the last C columns, C = 1 + the most drafts of a row). At a
+            #    flush, rows with the same tokens so far have the same cache (packed left): the forward
+            #    takes one of each (`firsts`), and its cache row and logits are copied back to all (`which`)
+            firsts, which = _distinct_histories([rows[r] for r in active]) if flush and share_histories else (None, None)
+            shared = firsts is not None and len(firsts) < len(active)
+            if shared:
+                cache.batch_select_indices(torch.tensor(firsts, device=model.device))
+                mask = mask[firsts]
+            fed = [feed.get(active[b], []) for b in (firsts if shared else range(len(active)))]
+            ids, new_mask = _right_aligned(fed, pad_id, model.device)                   # (B, W) each
             mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
             columns = 1 + max(len(rows[r].drafts) for r in active)
             logits = forward(ids, mask, cache, columns, flush)     # (B, C, V); a waiting row's are unused
+            if shared:
+                index = torch.tensor(which, device=model.device)
+                cache.batch_select_indices(index)
+                mask, logits = mask[index], logits[index]
 
     model.train(was_training)
     if stats is not None:
@@ -388,6 +405,19 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                      generated_tokens=sum(sum(row.mask) for row in rows))
     trajectories = [_trajectory(row) for row in rows]
     return [TrajectoryGroup(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
+
+
+def _distinct_histories(rows):
+    """([the first row of each distinct token history], [for each row, its history's place in
+    that list]): rows with the same token_ids have run the same tools on the same tables too."""
+    places, firsts, which = {}, [], []
+    for b, row in enumerate(rows):
+        key = tuple(row.token_ids)
+        if key not in places:
+            places[key] = len(firsts)
+            firsts.append(b)
+        which.append(places[key])
+    return firsts, which
 
 
 def _common_prefix_length(prompts) -> int:
@@ -806,7 +836,9 @@ class KVLayer(CacheLayerMixin):
         self.length = width
 
     def batch_select_indices(self, indices):
-        """Keep rows `indices`, in that order, compacted in place into the first len(indices) rows."""
+        """Keep rows `indices`, in that order, compacted in place into the first len(indices) rows; an
+        index given twice copies its row (rows with the same history share one forward: rollout_groups)."""
+        self._reserve(len(indices), self.length)
         for name in ("keys", "values"):
             buf = getattr(self, name)
             buf[:len(indices), :, :self.length] = buf[indices.to(buf.device), :, :self.length]   # gathered first

@@ -45,7 +45,9 @@ def bench_rollout(args):
     encoded once, KV cache kept across turns, all rows decoded in one batch) against the
     straightforward loop that re-renders the conversation and calls model.generate per turn and
     per trajectory. Sampled text differs between the two, so tokens per second is the figure. Our
-    engine runs twice, one token a forward and with --draft prompt-lookup drafts (Sampling.draft)."""
+    engine runs twice, one token a forward and with --draft prompt-lookup drafts (Sampling.draft),
+    and a third time with drafts and every row fed at the flushes, where the default feeds the rows
+    that agree so far once (rollout_groups' share_histories)."""
     import agentrl
     import lora
     import sql_env
@@ -73,6 +75,13 @@ def bench_rollout(args):
     drafted = agentrl.rollout_groups(model, tokenizer, tasks, n, replace(sampling, draft=args.draft), limits, stats=draft_stats)
     draft_s = time.perf_counter() - t0
     draft_turns = [t.num_turns for g in drafted for t in g.trajectories]
+
+    # the same with every row fed at the flushes (the same tokens: the same seed)
+    unshared_stats = {}
+    t0 = time.perf_counter()
+    agentrl.rollout_groups(model, tokenizer, tasks, n, replace(sampling, draft=args.draft), limits, stats=unshared_stats,
+                           share_histories=False)
+    unshared_s = time.perf_counter() - t0
 
     # baseline: per trajectory, per turn: render the whole conversation, tokenize, generate()
     torch.manual_seed(args.seed)
@@ -122,6 +131,10 @@ def bench_rollout(args):
           f"{(draft_gen / draft_s) / (base_gen / base_s):.2f}x ({(draft_gen / draft_s) / (ours_gen / ours_s):.2f}x ours "
           f"without): {draft_stats['forwards']} forwards against {stats['forwards']}, "
           f"{draft_stats['accepted_drafts']} of {draft_stats['drafted_tokens']} drafts taken")
+    print(f"rows that agree so far fed once at the flushes (the default): {unshared_s / draft_s:.2f}x faster than every "
+          f"row fed ({draft_s:.1f} s against {unshared_s:.1f} s, drafts in both); the flushes fed "
+          f"{draft_stats['flush_fed_tokens']} tokens against {unshared_stats['flush_fed_tokens']}, in "
+          f"{draft_stats['flush_forward_s']:.1f} s against {unshared_stats['flush_forward_s']:.1f} s")
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
@@ -1108,41 +1121,53 @@ def scripted_rewards(groups, *args, **kwargs):
     return rewards, [unscored] * len(groups), 0
 
 
+SCALE_VARIANTS = {   # name: (processes torchrun starts, train.py flags)
+    "1-process": (1, []), "torchrun-2": (2, []), "no-group-segments": (1, ["--no-group-segments"])}
+
+
 def bench_scale(args):
-    """Steps per minute of train.py in one process and in two (torchrun; gloo on a CPU), the same
-    steps of the same size one run after the other, and where a step's time goes: rollouts (the
-    slowest process's; the others wait for it) and the rest (the update with its gradient
-    all-reduce, gathering the step, the metrics record). Times are train.py's own: time_step runs
-    from sampling the tasks to the metrics record, so checkpoint and plot writes are left out."""
+    """Steps per minute of train.py, the same steps of the same size one run after the other: in one
+    process; in two (torchrun; gloo on a CPU); in one that forwards every rollout's tokens after the
+    prompt in the update (--no-group-segments). And where a step's time goes: rollouts (the slowest
+    process's; the others wait for it) and the rest (the update with its gradient all-reduce,
+    gathering the step, the metrics record). Times are train.py's own: time_step runs from sampling
+    the tasks to the metrics record, so checkpoint and plot writes are left out. Every group
+    trains (scripted rewards), so every step has its update."""
     out = os.path.join("runs", "bench_scale")
     flags = ["--steps", "3", "--sft-steps", "0", "--groups-per-step", "2", "--group-size", "4", "--max-turns", "2",
              "--max-new-tokens", "48", "--eval-size", "1", "--eval-split", "test", "--seed", str(args.seed),
-             *args.train_flags]
+             *(["--adapter", args.adapter] if args.adapter else []), *args.train_flags]
     rows = []
-    for processes in (1, 2):
-        run_dir = os.path.join(out, f"processes_{processes}")
+    for name in chosen_variants(args, SCALE_VARIANTS):
+        processes, extra = SCALE_VARIANTS[name]
+        run_dir = os.path.join(out, name)
         launcher = [sys.executable] if processes == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-        env = {**os.environ, TRAIN_WORKER: json.dumps(flags + ["--out", run_dir])}
+        env = {**os.environ, TRAIN_WORKER: json.dumps(flags + extra + ["--out", run_dir])}
         t0 = time.perf_counter()
         subprocess.run(launcher + [os.path.abspath(__file__)], env=env, check=True, stdout=subprocess.DEVNULL)
         whole = time.perf_counter() - t0
         steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in line]
         step_s = sum(r["time_step"] for r in steps) / len(steps)
         rollout_s = sum(r["time_rollout"] for r in steps) / len(steps)
-        rows.append({"processes": processes, "steps_per_min": 60 / step_s, "step_s": step_s, "rollout_s": rollout_s,
-                     "rest_s": step_s - rollout_s, "whole_s": whole, "applied": sum(not r["skipped"] for r in steps)})
+        tokens = sum(r["gen_tokens"] for r in steps) / len(steps)
+        rows.append({"name": name, "steps_per_min": 60 / step_s, "step_s": step_s, "rollout_s": rollout_s,
+                     "rest_s": step_s - rollout_s, "tok_s": tokens / rollout_s, "whole_s": whole,
+                     "applied": sum(not r["skipped"] for r in steps)})
     threads = os.environ.get("OMP_NUM_THREADS")
-    print(f"\nscale: train.py, {len(steps)} steps of 2 groups x 4 trajectories (embedded model, scripted rewards), "
+    print(f"\nscale: train.py, {len(steps)} steps (embedded model, scripted rewards), flags: {' '.join(flags)}; "
           f"{os.cpu_count()} CPU cores; threads per process: "
-          + (threads if threads else "1 process: torch's default, 2 processes: 1 each (torchrun's default)"))
-    print(f"{'processes':>9} {'steps/min':>10} {'step s':>7} {'rollout s':>10} {'rest s':>7} {'updates':>8} {'run s':>6}")
+          + (threads if threads else "torch's default in one process, 1 in each of torchrun's"))
+    print(f"{'variant':>18} {'steps/min':>10} {'step s':>7} {'rollout s':>10} {'gen tok/s':>10} {'rest s':>7} "
+          f"{'updates':>8} {'run s':>6}")
     for r in rows:
-        print(f"{r['processes']:>9} {r['steps_per_min']:>10.2f} {r['step_s']:>7.1f} {r['rollout_s']:>10.1f} "
-              f"{r['rest_s']:>7.1f} {r['applied']:>8} {r['whole_s']:>6.0f}")
-    one, two = rows
-    print(f"2 processes / 1: {two['steps_per_min'] / one['steps_per_min']:.2f}x steps per minute | rollout "
-          f"{one['rollout_s'] / two['rollout_s']:.2f}x faster, the rest {one['rest_s'] / two['rest_s']:.2f}x faster")
+        print(f"{r['name']:>18} {r['steps_per_min']:>10.2f} {r['step_s']:>7.1f} {r['rollout_s']:>10.1f} "
+              f"{r['tok_s']:>10.1f} {r['rest_s']:>7.1f} {r['applied']:>8} {r['whole_s']:>6.0f}")
+    one = rows[0]
+    for r in rows[1:]:
+        print(f"{r['name']} / {one['name']}: {r['steps_per_min'] / one['steps_per_min']:.2f}x steps per minute | rollout "
+              f"{one['rollout_s'] / r['rollout_s']:.2f}x faster ({r['tok_s'] / one['tok_s']:.2f}x generated tokens/s), "
+              f"the rest {one['rest_s'] / r['rest_s']:.2f}x faster")
 
 
 def run_train_worker():
@@ -1228,7 +1253,7 @@ def main():
                         help="memory: the embedded model (chunked vs unchunked log-probs), or the "
                              "Qwen2.5-3B shape with random weights (the fit on a 16 GB T4)")
     parser.add_argument("--adapter", default=None,
-                        help="rollout, judge, judge-server, eval: the embedded model with this saved adapter (or run folder)")
+                        help="rollout, judge, judge-server, eval, scale: the embedded model with this saved adapter (or run folder)")
     parser.add_argument("--split", default="test", help="eval: the held-out split to evaluate")
     parser.add_argument("--tasks", type=int, default=0, help="eval: the split's first N tasks (0: all)")
     parser.add_argument("--tokenizer", default=None,
@@ -1246,7 +1271,7 @@ def main():
                         help="rollout, eval: draft tokens a row checks per forward in the drafted variant (Sampling.draft; "
                              "default: train.py's --draft-tokens)")
     parser.add_argument("--variants", default=None,
-                        help="update, eval: a comma-separated subset of the variants (default: all)")
+                        help="update, eval, scale: a comma-separated subset of the variants (default: all)")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
     if train_flags and args.which not in ("learn", "sweep", "scale", "allocator"):

@@ -66,6 +66,7 @@ class GRPOConfig:
     max_grad_norm: float = 1.0        # global gradient-norm clip
     gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, more time (train.py: on; bench.py allocator)
     shared_prefix: bool = True        # forward the prompt all sequences start with once per step (SharedPrefix)
+    group_segments: bool = True       # and each group's run of shared tokens after it once (prefix_families)
     amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
     epochs: int = 1                   # passes over one batch of rollouts (grpo_update)
     minibatches: int = 1              # optimizer steps per pass: epochs * minibatches steps per batch
@@ -183,6 +184,12 @@ def token_logprobs(model, input_ids, attention_mask, chunk_size=512, positions=N
         # asks the model to make a new one (and makes a checkpointed layer warn that it cannot)
         hidden = model.base_model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                   use_cache=False, **past).last_hidden_state  # (B, T, H)
+    return _wanted_logprobs(model, hidden, input_ids, positions, chunk_size)
+
+
+def _wanted_logprobs(model, hidden, input_ids, positions, chunk_size):
+    """token_logprobs from the decoder's (B, T, H) last hidden states: the lm_head in chunks."""
+    B, T = input_ids.shape
     # position t - 1 predicts token t: keep the (N, H) rows whose target is wanted, N <= B * (T - 1)
     wanted = torch.ones(B, T - 1, dtype=torch.bool, device=input_ids.device) if positions is None else positions[:, 1:] != 0
     hidden, targets = hidden[:, :-1][wanted], input_ids[:, 1:][wanted]  # (N, H), (N,)
@@ -217,30 +224,53 @@ class SharedPrefix:
     values (PrefixRecorder, by assignment), the micro-batches read them (PrefixCache: the
     prefix's columns, then the new ones, nothing stored), and transformers is told that a
     checkpointed layer may keep such a cache (checkpointing_keeps_cache).
+
+    A group's segment (`after`: the step's prompt, which it continues). The rollouts of one task
+    share much more than the prompt: near-deterministic after SFT, they make the same first tool
+    calls and read the same results (about 700 of ~850 tokens in each group of 8 here, against
+    ~275 shared by the whole step). A segment forwards those tokens once for its group. Unlike the
+    prompt they hold trained tokens, so the segment also computes their log-probs, once (`mask`:
+    which of its tokens are trained), and grpo_step takes each row's loss terms there (its own
+    advantage and rollout log-prob) on that one copy. Its token_ids hold one token more than it
+    keeps: the token where the rows part is predicted here, and fed again by each row, whose
+    position predicts the row's own next token. Its backward carries the micro-batches' gradient
+    and the segment's loss through its forward, into the LoRA weights and the prompt's keys and
+    values (the prompt's own backward comes after).
     """
 
-    def __init__(self, model, token_ids):
-        self.length, self.config = len(token_ids), model.config
+    def __init__(self, model, token_ids, after=None, mask=None, chunk_size=512):
+        assert (after is None) == (mask is None), "a segment (after) comes with its trained mask, the prompt without"
+        self.after, self.config, offset = after, model.config, after.length if after else 0
         self.keyword = lora.cache_keyword(model.base_model)
-        recorder = PrefixRecorder(config=model.config)
-        ids = torch.tensor([token_ids], device=next(model.parameters()).device)  # (1, P)
+        recorder = PrefixRecorder(model.config, after.columns() if after else None)
+        ids = torch.tensor([token_ids], device=next(model.parameters()).device)  # (1, n)
         with checkpointing_keeps_cache(model):
-            model.base_model(input_ids=ids, position_ids=torch.arange(self.length, device=ids.device)[None],
-                             use_cache=False, **{self.keyword: recorder})   # the recorder is used as given
-        self.outputs = [recorder.recorded[i] for i in range(len(recorder.recorded))]  # in the prefix's autograd graph
+            hidden = model.base_model(input_ids=ids, position_ids=torch.arange(offset, offset + ids.shape[1], device=ids.device)[None],
+                                      use_cache=False, **{self.keyword: recorder}).last_hidden_state   # the recorder as given
+        kept = ids.shape[1] - (after is not None)      # a segment's last token is each row's first
+        self.length = offset + kept                    # the columns a row continues from
+        self.outputs = [(k[:, :, :kept], v[:, :, :kept]) for k, v in (recorder.recorded[i] for i in range(len(recorder.recorded)))]
         self.leaves = [(k.detach().requires_grad_(k.requires_grad), v.detach().requires_grad_(v.requires_grad))
-                       for k, v in self.outputs]                              # where the micro-batches stop
+                       for k, v in self.outputs]       # where the micro-batches stop: in the prefix's autograd graph above
+        self.logprobs = None if mask is None else _wanted_logprobs(     # (1, n): a segment's trained tokens
+            model, hidden, ids, torch.tensor([mask], device=ids.device), chunk_size)
+
+    def columns(self):
+        """Keys and values per layer, one row: every column a row continues from (the prompt's, then a segment's)."""
+        if self.after is None:
+            return self.leaves
+        return [(torch.cat([ak, k], dim=-2), torch.cat([av, v], dim=-2)) for (ak, av), (k, v) in zip(self.after.columns(), self.leaves)]
 
     def cache(self, rows):
-        """A cache holding the prefix in `rows` rows (views, no copy), for one forward."""
-        return PrefixCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.leaves],
+        """A cache holding the prefix in `rows` rows (views of its columns), for one forward."""
+        return PrefixCache([(k.expand(rows, -1, -1, -1), v.expand(rows, -1, -1, -1)) for k, v in self.columns()],
                            config=self.config)
 
-    def backward(self):
+    def backward(self, loss=None):
         """After every micro-batch's backward: the gradient they left on the prefix's keys and
-        values, through the prefix's forward."""
+        values (and a segment's own loss), through the prefix's forward."""
         pairs = [(out, leaf.grad) for outs, leaves in zip(self.outputs, self.leaves)
-                 for out, leaf in zip(outs, leaves) if leaf.grad is not None]
+                 for out, leaf in zip(outs, leaves) if leaf.grad is not None] + ([(loss, None)] if loss is not None else [])
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 
@@ -257,15 +287,19 @@ class PrefixCache(DynamicCache):
 
 class PrefixRecorder(DynamicCache):
     """The prefix's own forward: each layer's keys and values are recorded (a recompute records
-    them again, in the same place) and attended as they are; there is no past."""
+    them again, in the same place) and attended after `past`, the columns it continues (a
+    segment's: the prompt's; the prompt has none)."""
 
-    def __init__(self, config):
-        super().__init__(config=config)
-        self.recorded = {}     # layer index -> (keys, values), each (1, KV heads, P, head dim)
+    def __init__(self, config, past=None):
+        super().__init__(past, config=config)
+        self.recorded, self.continues = {}, past is not None   # layer index -> (keys, values), each (1, KV heads, n, head dim)
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         self.recorded[layer_idx] = key_states, value_states
-        return key_states, value_states
+        if not self.continues:
+            return key_states, value_states
+        layer = self.layers[layer_idx]
+        return torch.cat([layer.keys, key_states], dim=-2), torch.cat([layer.values, value_states], dim=-2)
 
 
 @contextmanager
@@ -306,10 +340,41 @@ def _shared_prefix(model, trajectories, length):
     return SharedPrefix(model, trajectories[0].token_ids[:length]) if length else None
 
 
+MIN_SEGMENT = 16    # tokens: a run shared after the prompt that is shorter is not worth a forward of its own
+
+
+def prefix_families(trajectories, start, min_segment=MIN_SEGMENT):
+    """The trajectories that go on sharing tokens after the step's prompt (`start` tokens), most
+    often one group's: [(end, indices)], each family's tokens start..end forwarded once, as one
+    segment (SharedPrefix with `after`), and its rows from token `end` on; the trajectories that
+    share nothing more come last, as one family with end = start. Ordered by their tokens,
+    trajectories that share a run sit side by side. A family's end stops one token before its
+    rows' tokens (or masks) first differ, since each row feeds that token again to predict its own
+    next one, and leaves every row 2 tokens to forward."""
+    families = []   # [common length, the first row's (token, mask) pairs, indices]
+    for i in sorted(range(len(trajectories)), key=lambda i: trajectories[i].token_ids):
+        pairs = list(zip(trajectories[i].token_ids, trajectories[i].assistant_mask))
+        if families:
+            common, first, members = families[-1]
+            common = next((k for k in range(min(common, len(pairs))) if pairs[k] != first[k]), min(common, len(pairs)))
+            if common - 1 - start >= min_segment:
+                families[-1] = [common, first, members + [i]]
+                continue
+        families.append([len(pairs), pairs, [i]])
+    out, alone = [], []
+    for common, _, members in families:
+        end = min(common - 1, min(len(trajectories[i].token_ids) for i in members) - 2)
+        if len(members) > 1 and end - start >= min_segment:
+            out.append((end, members))
+        else:
+            alone += members
+    return out + ([(start, alone)] if alone else [])
+
+
 # ---------------------------------------------------------------- 3) the loss
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.28,
                 aggregation="token", num_sequences=None, num_tokens=None, max_tokens=None,
-                kl_coef=0.0, ref_logprobs=None):
+                kl_coef=0.0, ref_logprobs=None, sequence_tokens=None):
     """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats).
 
     logprobs (B, T) current policy (with grad); old_logprobs (B, T) rollout policy; advantages
@@ -317,6 +382,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     num_sequences / num_tokens are the WHOLE step's counts (default: this batch's). A caller that
     splits a step into micro-batches passes them, so the micro-batch losses add up to the loss,
     and the accumulated gradient to the gradient, of the step as one batch.
+    sequence_tokens (B,): each whole sequence's trained tokens, the "sequence" normalizer, for a
+    batch that holds only part of each (a segment, or the rows after it); default: the mask's.
     stats (floats, means over this batch's trained tokens): clip_frac_low, clip_frac_high,
     ratio_mean, kl_old (how far the policy has moved from the one that sampled), kl (to the
     reference; None without ref_logprobs), tokens.
@@ -360,7 +427,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     if aggregation == "token":  # DAPO: every trained token of the step weighs the same
         weights = mask / num_tokens
     elif aggregation == "sequence":  # original GRPO: mean over each sequence, then over sequences
-        weights = mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_sequences)
+        lengths = mask.sum(-1) if sequence_tokens is None else sequence_tokens.float()
+        weights = mask / (lengths[:, None].clamp(min=1) * num_sequences)
     else:  # "constant", Dr. GRPO: no length-dependent normalizer, so no bias toward long wrong answers
         assert max_tokens, "aggregation='constant' needs max_tokens"
         weights = mask / (num_sequences * max_tokens)
@@ -403,23 +471,28 @@ def sampled_entropy(trajectories):
     return -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories) / max(1, tokens)
 
 
-def _collate(trajectories, advantages, device, start=0):
+def _collate(trajectories, advantages, device, start=0, stop=None, after_segment=False):
     """Right-pad a list of trajectories, from token `start` on (after a SharedPrefix of that
-    length), into (B, T) tensors."""
-    T = max(len(t.token_ids) for t in trajectories) - start
+    length) up to token `stop` (default: their ends), into (B, T) tensors. The first column is
+    never predicted in its batch's forward: a trained token there is one a segment predicted
+    (after_segment, or the segment's own batch, which begins with an untrained token)."""
+    T = (stop or max(len(t.token_ids) for t in trajectories)) - start
     for t in trajectories:
         assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), "trajectory fields differ in length"
-        assert t.assistant_mask[start] == 0, "the first token is never predicted, so it cannot be trained"
+        assert t.assistant_mask[start] == 0 or after_segment, "the first token is never predicted, so it cannot be trained"
 
     def pad(rows, dtype):
-        return torch.tensor([list(r[start:]) + [0] * (T - len(r) + start) for r in rows], dtype=dtype, device=device)  # (B, T)
+        return torch.tensor([list(r[start:stop]) + [0] * (T - len(r[start:stop])) for r in rows], dtype=dtype, device=device)  # (B, T)
 
+    mask = pad([t.assistant_mask for t in trajectories], torch.float32)
+    mask[:, 0] = 0      # after a segment: its log-prob is the segment's, and so is its loss term
     return {
         "input_ids": pad([t.token_ids for t in trajectories], torch.long),
         "attention_mask": pad([[1] * len(t.token_ids) for t in trajectories], torch.long),
-        "mask": pad([t.assistant_mask for t in trajectories], torch.float32),
+        "mask": mask,
         "old_logprobs": pad([t.sampled_logprobs for t in trajectories], torch.float32),
         "advantages": torch.tensor(advantages, dtype=torch.float32, device=device),  # (B,)
+        "sequence_tokens": torch.tensor([sum(t.assistant_mask) for t in trajectories], device=device),  # (B,)
     }
 
 
@@ -503,7 +576,6 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
     if not keep and all_reduce is None:
         stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
         return stats
-    keep.sort(key=lambda i: len(trajectories[i].token_ids))  # similar lengths share a micro-batch: less padding
     kept, mbs = [trajectories[i] for i in keep], config.micro_batch_size
     autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
     was_training = model.training
@@ -512,38 +584,70 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
     optimizer.zero_grad(set_to_none=True)
     try:
         start = _prefix_length(kept, config)   # the prompt every trajectory starts with, forwarded once
-        batches = [_collate(kept[s:s + mbs], [advantages[i] for i in keep[s:s + mbs]], device, start)
-                   for s in range(0, len(keep), mbs)]
-        refs = [None] * len(batches)
+        # then each family's run of shared tokens (most often a group's), once too, as a segment; with a
+        # KL term (a reference forward per micro-batch) every row goes on from the prompt
+        families = (prefix_families(kept, start) if start and config.group_segments and config.kl_coef == 0
+                    else [(start, list(range(len(kept))))])
+        plan = []       # per family: its segment's end (start: none), its rows and advantages, their micro-batches
+        for end, members in families:
+            members.sort(key=lambda i: len(kept[i].token_ids))  # similar lengths share a micro-batch: less padding
+            rows, advs = [kept[i] for i in members], [advantages[keep[i]] for i in members]
+            plan.append((end, rows, advs, [_collate(rows[s:s + mbs], advs[s:s + mbs], device, end, after_segment=end > start)
+                                           for s in range(0, len(rows), mbs)]))
+        refs = {}
         if config.kl_coef > 0:   # before any forward with grad: a reference context may swap weights in place
             with torch.no_grad(), reference_context, autocast:
                 ref_prefix = _shared_prefix(model, kept, start)   # the reference's own, under its weights
-                refs = [token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
-                                       ref_prefix) for b in batches]
+                refs = {id(b): token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
+                                              ref_prefix) for *_, batches in plan for b in batches}
         with autocast:
             prefix = _shared_prefix(model, kept, start)
 
         averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + (["kl"] if config.kl_coef > 0 else [])
         sums, forwarded_tokens = dict.fromkeys(averaged, 0.0), 0
-        for b, ref in zip(batches, refs):
-            with autocast:
-                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"], prefix)
-            loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"],
-                                  clip_low=config.clip_low, clip_high=config.clip_high,
-                                  aggregation=config.aggregation, kl_coef=config.kl_coef, ref_logprobs=ref, **norm)
+
+        def loss_of(logprobs, b):
+            """The batch's loss, its stats counted into the step's; None if it is not finite."""
+            nonlocal forwarded_tokens
+            loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"], clip_low=config.clip_low,
+                                  clip_high=config.clip_high, aggregation=config.aggregation, kl_coef=config.kl_coef,
+                                  ref_logprobs=refs.get(id(b)), sequence_tokens=b["sequence_tokens"], **norm)
             if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
                 stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
-                if all_reduce is None:
-                    return stats
-                break                     # the other processes wait for this one's gradients
-            scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
+                return None
             stats["loss"] += loss.item()
-            stats["forwarded_sequences"] += len(b["advantages"])
             forwarded_tokens += s["tokens"]
             for k in averaged:  # token-weighted means over the micro-batches
                 sums[k] += s[k] * s["tokens"]
+            return scaler.scale(loss)   # a disabled scaler returns the loss as it is
+
+        for end, rows, advs, batches in plan:
+            segment = segment_loss = None
+            if end > start:     # the family's shared run: its tokens' log-probs once, each row's terms on them
+                with autocast:
+                    segment = SharedPrefix(model, rows[0].token_ids[start:end + 1], after=prefix,
+                                           mask=rows[0].assistant_mask[start:end + 1], chunk_size=config.chunk_size)
+                b = _collate(rows, advs, device, start, end + 1)
+                segment_loss = loss_of(segment.logprobs.expand(len(rows), -1), b)   # (rows, n): one copy, read by all
+                if segment_loss is None:
+                    break
+            for b in batches:
+                with autocast:
+                    logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
+                                              segment or prefix)
+                loss = loss_of(logprobs, b)
+                if loss is None:
+                    break
+                loss.backward()
+                stats["forwarded_sequences"] += len(b["advantages"])
+            if stats["skipped"]:
+                break
+            if segment is not None:
+                segment.backward(segment_loss)   # the rows' gradient and the segment's loss, through its forward
+        if stats["skipped"] and all_reduce is None:
+            return stats          # (under all_reduce, the other processes wait for this one's gradients)
         stats.update({k: v / max(1, forwarded_tokens) for k, v in sums.items()}, forwarded_tokens=forwarded_tokens)
-        if prefix is not None:
+        if prefix is not None and not stats["skipped"]:
             prefix.backward()     # the micro-batches' gradient on the shared prefix, into the LoRA weights
 
         if all_reduce is not None:

@@ -288,14 +288,16 @@ class lora_merged:
     function as the LoRA forward up to rounding, one matmul per layer instead of three (on a CPU
     the small LoRA matmuls cost about 15% of a decode step). Each merged layer holds a copy of its
     weight until the context ends. Layers whose weight is not fp32 keep the LoRA path: folding
-    a small update into fp16/bf16 weights would round it away."""
+    a small update into fp16/bf16 weights would round it away. Nested, an inner context leaves the
+    layers an outer one merged as they are: merge once before forking (parallel.forked), and the
+    children share those weights instead of each building its own."""
 
     def __init__(self, model):
         self.model = model
 
     @torch.no_grad()
     def __enter__(self):
-        self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled
+        self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled and m.merged is None
                        and m.base_layer.weight.dtype == torch.float32 and not (m.training and m.dropout.p)]
         for m in self.layers:
             m.merged = m.folded_weight()

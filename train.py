@@ -175,6 +175,10 @@ def parse_args(argv=None):
     g.add_argument("--grad-checkpointing", action=argparse.BooleanOptionalAction, default=True,
                    help="recompute each layer in the backward instead of keeping its activations: SFT steps "
                         "1.15x and GRPO updates 1.5x as long, the run's peak 0.63x (bench.py allocator)")
+    g.add_argument("--group-segments", action=argparse.BooleanOptionalAction, default=True,
+                   help="forward the tokens a group's rollouts share after the prompt (the same first tool calls and "
+                        "results) once per group in the update, not once per rollout: the same gradient "
+                        "(grpo.prefix_families; README, Benchmarks: bench.py scale)")
     g.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help=f"glibc: blocks of this size or more get pages of their own, handed back when freed; "
                         f"{LEAN_MMAP_THRESHOLD} lowers the peak for a slower run (bench.py allocator). "
@@ -459,7 +463,8 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
     def episodes(share):
         return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
     if processes > 1 and model.device.type == "cpu":
-        trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
+        with lora.lora_merged(model):           # once, here: the children read these weights (lora_merged says why)
+            trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
     else:
         trajectories = episodes(mine)
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
@@ -659,6 +664,7 @@ def run_process(args, device):
     config = grpo.GRPOConfig(micro_batch_size=args.micro_batch_size, clip_low=args.clip_low, clip_high=args.clip_high,
                              aggregation=args.loss, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
                              gradient_checkpointing=args.grad_checkpointing, amp_dtype=precision.amp_dtype,
+                             group_segments=args.group_segments,
                              max_tokens=args.max_turns * args.max_new_tokens,  # Dr. GRPO's constant: the generation budget
                              epochs=args.epochs, minibatches=args.minibatches)
 

@@ -183,9 +183,17 @@ def test_flush_counters_hold_the_prompts_and_tool_messages(scripted):
     """The flushes' forwards (bench.py eval's "where the time goes") feed the prompts (the shared
     prefix, then each row's rest), every tool message with the next assistant header, and the last
     token of each turn that goes on (sampled, not yet in the cache); the decode forwards feed every
-    other sampled token but each row's last, which ends the row unfed. One token a forward here."""
-    _, _, groups, stats = scripted("llama", "smol_tokenizer")
-    trajs = [t for g in groups for t in g.trajectories]
+    other sampled token but each row's last, which ends the row unfed. One token a forward here.
+    That is with every row fed (share_histories=False); the default feeds the rows of a group that
+    agree so far once (the scripted turns make them agree): fewer tokens, the same trajectories."""
+    model, tokenizer, shared_groups, shared_stats = scripted("llama", "smol_tokenizer")
+    stats = {}
+    groups = rollout(model, tokenizer, stats=stats, share_histories=False)
+    trajs, shared = [t for g in groups for t in g.trajectories], [t for g in shared_groups for t in g.trajectories]
+    assert [t.token_ids for t in trajs] == [t.token_ids for t in shared]
+    for t, s in zip(trajs, shared):
+        torch.testing.assert_close(torch.tensor(s.sampled_logprobs), torch.tensor(t.sampled_logprobs), rtol=0, atol=1e-5)
+    assert shared_stats["flush_fed_tokens"] < stats["flush_fed_tokens"] and shared_stats["forwards"] == stats["forwards"]
     turns_going_on = sum(t.num_turns - 1 for t in trajs)
     assert stats["flush_fed_tokens"] == stats["prompt_tokens"] + stats["appended_tokens"] + turns_going_on
     decode_fed = stats["fed_tokens"] - stats["flush_fed_tokens"]
@@ -441,8 +449,9 @@ def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
     """KVCache through the engine's operations: three rows join from a one-row prefix cache and are
     fed different rests of prompt (right-aligned, with holes), decode past the preallocated
     capacity (so it grows), one row is dropped, a hole column is fed, the cache is packed (hole
-    columns cut), and a third row joins after the pack. Every row's logits equal a fresh forward
-    over that row's real tokens."""
+    columns cut), a third row joins after the pack, and a row is copied into a fourth (one row
+    more than the cache holds: it grows). Every row's logits equal a fresh forward over that row's
+    real tokens."""
     torch.manual_seed(0)
     forward = agentrl._Forward(tiny_llama)
     prefix_ids, rests = [5, 9, 300], [[41, 7, 88], [12], [6, 6]]
@@ -483,6 +492,11 @@ def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
                 joined = (torch.arange(mask.shape[1]) < 3).long()[None]
                 mask, rows = torch.cat([mask, joined]), rows + [list(prefix_ids)]
                 new, fed = torch.cat([new, torch.tensor([[77]])]), torch.cat([fed, torch.ones(1, 1, dtype=torch.long)])
+            if step == 10:                              # row 1 copied into a new last row (a shared history)
+                index = torch.tensor([0, 1, 2, 1])
+                cache.batch_select_indices(index)
+                mask, rows, fed = mask[index], [list(rows[i]) for i in index], fed[index]
+                new = torch.randint(0, 1000, (len(rows), 1))
             mask = torch.cat([mask, fed], dim=1)
             logits = forward(new, mask, cache)[:, -1]
             for b, row in enumerate(rows):

@@ -314,6 +314,71 @@ def test_a_shared_prefix_gives_the_update_of_forwarding_every_sequence_whole(mbs
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
 
 
+def family_trajectories(seed=0):
+    """A step as GRPO sees it after SFT: one prompt for all (12 tokens); two groups whose rollouts
+    go on together through a first turn and its tool result (20 tokens: 6 sampled, then 14 of
+    mask 0), then part, each with a sampled tail of its own; one more trajectory alone. Each row
+    has its own rollout log-probs, on the shared tokens too (the sampler's batches round apart)."""
+    g = torch.Generator().manual_seed(seed)
+    ints = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
+    prompt, out = ints(12), []
+    for group, rows in enumerate((3, 2, 1)):
+        question, turn, result = ints(3), ints(6), ints(14)
+        for _ in range(rows):
+            tail = ints(3 + len(out) % 4)
+            ids = prompt + question + turn + result + tail
+            mask = [0] * 15 + [1] * 6 + [0] * 14 + [1] * len(tail)
+            logps = [-(0.5 + torch.rand(1, generator=g).item() * 3) * m for m in mask]
+            out.append(SimpleNamespace(token_ids=ids, assistant_mask=mask, sampled_logprobs=logps))
+    return out
+
+
+def test_prefix_families_find_each_group_s_shared_run():
+    trajs = family_trajectories()
+    assert grpo._prefix_length(trajs, grpo.GRPOConfig()) == 12       # the prompt: the questions differ
+    # each group's run ends one token before its rows part (35 tokens in common: index 34); the
+    # trajectory alone comes last, from the prompt on
+    families = grpo.prefix_families(trajs, 12)
+    assert sorted((end, sorted(rows)) for end, rows in families[:2]) == [(34, [0, 1, 2]), (34, [3, 4])]
+    assert families[2:] == [(12, [5])]
+    assert [(end, sorted(rows)) for end, rows in grpo.prefix_families(trajs, 12, min_segment=23)] == [(12, list(range(6)))]
+    assert grpo.prefix_families(trajs[:1], 12) == [(12, [0])]
+
+
+@pytest.mark.parametrize("checkpointing", [False, True])
+@pytest.mark.parametrize("mbs,aggregation", [(1, "token"), (2, "sequence"), (1, "constant")])
+def test_group_segments_give_the_update_of_forwarding_every_sequence_whole(mbs, aggregation, checkpointing):
+    """Each group's shared run forwarded once (a SharedPrefix segment after the prompt), its
+    trained tokens' log-probs taken once and each row's loss terms on them: the same loss and
+    update as policy_loss on the whole sequences (the rows' rollout log-probs far from the model's,
+    so the clip acts), with layer checkpointing too; one forward per segment."""
+    trajs, advantages = family_trajectories(), [1.0, -0.5, -0.5, 0.8, -0.8, 0.3]
+    model, params = tiny_model()
+    perturb_lora(params)
+    b = grpo._collate(trajs, advantages, torch.device("cpu"))
+    model.train()
+    logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    loss, want = grpo.policy_loss(logps, b["old_logprobs"], b["advantages"], b["mask"], aggregation=aggregation,
+                                  max_tokens=16)
+    grads = torch.autograd.grad(loss, params)
+    expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
+    assert want["clip_frac_low"] + want["clip_frac_high"] > 0
+
+    model, params = tiny_model()
+    perturb_lora(params)
+    config = grpo.GRPOConfig(micro_batch_size=mbs, aggregation=aggregation, max_tokens=16, max_grad_norm=1e9,
+                             gradient_checkpointing=checkpointing)
+    calls = count_layer_forwards(model)
+    stats = step(model, params, config, trajs=trajs, advantages=advantages)
+    forwards = 1 + 2 + sum(math.ceil(n / mbs) for n in (3, 2, 1))   # the prompt, 2 segments, the micro-batches
+    assert len(calls) == 2 * forwards * (1 + checkpointing)          # 2 layers, each recomputed in the backward
+    assert stats["loss"] == pytest.approx(loss.item(), rel=1e-4) and stats["forwarded_tokens"] == want["tokens"]
+    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"):
+        assert stats[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
+    for want_p, p in zip(expected, params):
+        torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
+
+
 @pytest.mark.parametrize("checkpointing", [False, True])
 def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences(checkpointing):
     trajs = shared_prompt_trajectories(4)

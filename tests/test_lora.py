@@ -56,8 +56,9 @@ def test_lora_disabled_is_the_base_model(tiny_llama):
 
 def test_lora_merged_is_the_adapted_model_and_lets_go(tiny_llama):
     """Inside lora_merged each layer runs one folded fp32 weight and computes what the LoRA forward
-    does (to rounding); lora_disabled still gives the base inside it; after it, the LoRA path and
-    no weight copy are back."""
+    does (to rounding); lora_disabled still gives the base inside it; a nested lora_merged keeps
+    the outer one's weights and leaves them merged; after the outer one, the LoRA path and no
+    weight copy are back."""
     base = logits(tiny_llama)
     lora.apply_lora(tiny_llama, r=4, alpha=8)
     _perturb(tiny_llama)
@@ -68,6 +69,10 @@ def test_lora_merged_is_the_adapted_model_and_lets_go(tiny_llama):
         torch.testing.assert_close(logits(tiny_llama), adapted, rtol=0, atol=1e-4)
         with lora.lora_disabled(tiny_llama):
             assert torch.equal(logits(tiny_llama), base)
+        outer = [m.merged for m in layers]
+        with lora.lora_merged(tiny_llama):
+            assert all(m.merged is w for m, w in zip(layers, outer))
+        assert all(m.merged is w for m, w in zip(layers, outer))
     assert all(m.merged is None for m in layers)
     assert torch.equal(logits(tiny_llama), adapted) and not torch.allclose(adapted, base)
 

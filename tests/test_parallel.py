@@ -158,10 +158,11 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
     stats = grpo.grpo_step(model, optimizer, batch, advantages, config, torch.amp.GradScaler("cpu", enabled=False))
     assert not stats["skipped"] and stats["loss"] == pytest.approx(steps[1]["loss"], abs=1e-6)
     for ours, theirs in zip(lora.lora_parameters(model), record[0]["lora"], strict=True):
-        # measured: 4e-6 apart at most (each process forwards the prompt its own groups share once,
-        # grpo.SharedPrefix, so the sums run in another order; 6e-8 without it); the move is > 1e-3.
-        # On the rollouts of temperature 0.5 (other tokens), one element of 1,024 came out 4.5e-5 apart
-        torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=2e-5)
+        # the same update up to rounding: each process forwards the prompt its own groups share once
+        # (grpo.SharedPrefix) and then their runs of shared tokens (group segments), so its sums split
+        # elsewhere and run in another order (6e-8 apart with neither), and AdamW magnifies rounding
+        # where a gradient is near 0: measured 1.1e-4 in one element of 1,024; the move is > 1e-3
+        torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=2e-4)
     moved = max((a - b).abs().max().item() for a, b in zip(record[0]["lora"], before))
     assert moved > 1e-3, "step 2 must move the adapter, or the comparison shows nothing"
 
@@ -230,13 +231,22 @@ def test_forked_raises_what_a_child_raised_and_says_when_one_died():
         parallel.forked(lambda share: os._exit(3), [1, 2], 2)
 
 
-def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenizer, forks, tmp_path):
+def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenizer, forks, tmp_path, monkeypatch):
     """train.py --eval-processes 2: the same episodes, in task order, as in the run's own process,
     and the forks really ran. Both at one thread; the shares' batches are narrower, so greedy
-    choices could only differ on a near-tie of logits, which these 5 tasks do not have."""
+    choices could only differ on a near-tie of logits, which these 5 tasks do not have. The forks
+    find the LoRA merged: they share the parent's merged weights instead of building their own."""
     from conftest import build_tiny_model
     import agentrl
     model, tasks = build_tiny_model("llama"), splits["test"][:5]
+    layers = lora.apply_lora(model, r=4, alpha=8) and [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
+    rollout_groups = agentrl.rollout_groups
+
+    def merged_before(*args, **kwargs):
+        assert os.getpid() == parent or all(m.merged is not None for m in layers), "a fork merged the LoRA itself"
+        return rollout_groups(*args, **kwargs)
+    parent = os.getpid()
+    monkeypatch.setattr(agentrl, "rollout_groups", merged_before)
     limits = agentrl.Limits(max_turns=2, max_new_tokens=12, max_context=1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
