@@ -381,8 +381,9 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
 
             # 6) one forward for all rows over what they were fed; logits for each row's last token and
             #    its drafts (right-aligned, so the last C columns, C = 1 + the most drafts of a row). At a
-            #    flush, rows with the same tokens so far have the same cache (packed left): the forward
-            #    takes one of each (`firsts`), and its cache row and logits are copied back to all (`which`)
+            #    flush, a row's cache and feed hold its tokens so far, so rows with the same tokens end
+            #    the forward with the same cache row (packed left) and logits: the forward takes one of
+            #    each (`firsts`), and its cache row and logits are copied back to all (`which`)
             firsts, which = _distinct_histories([rows[r] for r in active]) if flush and share_histories else (None, None)
             shared = firsts is not None and len(firsts) < len(active)
             if shared:
@@ -409,7 +410,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
 
 def _distinct_histories(rows):
     """([the first row of each distinct token history], [for each row, its history's place in
-    that list]): rows with the same token_ids have run the same tools on the same tables too."""
+    that list]). The cache depends on the tokens alone; each row keeps its own environment."""
     places, firsts, which = {}, [], []
     for b, row in enumerate(rows):
         key = tuple(row.token_ids)

@@ -66,7 +66,7 @@ def bench_rollout(args):
     groups = agentrl.rollout_groups(model, tokenizer, tasks, n, sampling, limits, stats=stats)
     ours_s = time.perf_counter() - t0
     ours_gen = stats["generated_tokens"]
-    ours_prompt = stats["prompt_tokens"] + stats["appended_tokens"]
+    ours_prompt = stats["flush_fed_tokens"]    # prompts, tool results and each going-on turn's last token, as fed
     turns = [t.num_turns for g in groups for t in g.trajectories]
 
     # ours with drafts: each row also feeds --draft tokens guessed from its context, checked in the same forward
@@ -121,7 +121,7 @@ def bench_rollout(args):
           f"{limits.max_new_tokens} tokens, T={sampling.temperature}, {model.device} {model.dtype}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'':28}{'wall s':>9}{'generated':>11}{'gen tok/s':>11}{'prompt tok computed':>21}{'turns':>7}")
-    draft_gen, draft_prompt = draft_stats["generated_tokens"], draft_stats["prompt_tokens"] + draft_stats["appended_tokens"]
+    draft_gen, draft_prompt = draft_stats["generated_tokens"], draft_stats["flush_fed_tokens"]
     for name, secs, gen, prompt, t in [("baseline (generate per turn)", base_s, base_gen, base_prompt, base_turns),
                                        ("ours (shared prompt, KV kept)", ours_s, ours_gen, ours_prompt, turns),
                                        (f"ours, {args.draft} drafts a row", draft_s, draft_gen, draft_prompt, draft_turns)]:

@@ -12,9 +12,10 @@ clipped surrogate on those advantages, token by token, over the tokens the model
 (tool results and prompts carry mask 0 and teach nothing).
 
 What one step does: forward the prompt all trajectories start with once (SharedPrefix), then
-the trajectories' own tokens in micro-batches (gradients accumulate), compute token log-probs in
-chunks over the sequence, the clipped loss with one normalizer for the whole step, carry the
-gradient back through the shared prompt, clip the gradient norm, step the optimizer; a
+each group's run of shared tokens once (a segment: prefix_families), then the trajectories' own
+tokens in micro-batches (gradients accumulate), compute token log-probs in chunks over the
+sequence, the clipped loss with one normalizer for the whole step, carry the gradient back
+through the segments and the shared prompt, clip the gradient norm, step the optimizer; a
 non-finite loss or gradient skips the step.
 
 Letters in shape comments: B sequences in a micro-batch, T tokens (right-padded), H hidden
@@ -268,9 +269,10 @@ class SharedPrefix:
 
     def backward(self, loss=None):
         """After every micro-batch's backward: the gradient they left on the prefix's keys and
-        values (and a segment's own loss), through the prefix's forward."""
+        values (and a segment's own loss, unless it holds no trained token), through the prefix's forward."""
         pairs = [(out, leaf.grad) for outs, leaves in zip(self.outputs, self.leaves)
-                 for out, leaf in zip(outs, leaves) if leaf.grad is not None] + ([(loss, None)] if loss is not None else [])
+                 for out, leaf in zip(outs, leaves) if leaf.grad is not None]
+        pairs += [(loss, None)] if loss is not None and loss.requires_grad else []
         if pairs:
             torch.autograd.backward([out for out, _ in pairs], [grad for _, grad in pairs])
 
@@ -348,17 +350,20 @@ def prefix_families(trajectories, start, min_segment=MIN_SEGMENT):
     often one group's: [(end, indices)], each family's tokens start..end forwarded once, as one
     segment (SharedPrefix with `after`), and its rows from token `end` on; the trajectories that
     share nothing more come last, as one family with end = start. Ordered by their tokens,
-    trajectories that share a run sit side by side. A family's end stops one token before its
-    rows' tokens (or masks) first differ, since each row feeds that token again to predict its own
-    next one, and leaves every row 2 tokens to forward."""
+    trajectories that share a run sit side by side; a row that would cut its family's run to under
+    half goes on to a family of its own instead (one row of 8 that parts early leaves the other 7
+    theirs). A family's end stops one token before its rows' tokens (or masks) first differ, since
+    each row feeds that token again to predict its own next one, and leaves every row 2 tokens to
+    forward. A segment may hold no trained token (rows that part at their first sampled one), and
+    a row none after its segment (rows the same to the end): grpo_step forwards what trains."""
     families = []   # [common length, the first row's (token, mask) pairs, indices]
     for i in sorted(range(len(trajectories)), key=lambda i: trajectories[i].token_ids):
         pairs = list(zip(trajectories[i].token_ids, trajectories[i].assistant_mask))
         if families:
             common, first, members = families[-1]
-            common = next((k for k in range(min(common, len(pairs))) if pairs[k] != first[k]), min(common, len(pairs)))
-            if common - 1 - start >= min_segment:
-                families[-1] = [common, first, members + [i]]
+            shared = next((k for k in range(min(common, len(pairs))) if pairs[k] != first[k]), min(common, len(pairs)))
+            if shared - 1 - start >= max(min_segment, (common - start) / 2):
+                families[-1] = [shared, first, members + [i]]
                 continue
         families.append([len(pairs), pairs, [i]])
     out, alone = [], []
@@ -632,6 +637,8 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
                 if segment_loss is None:
                     break
             for b in batches:
+                if not b["mask"].any():     # every trained token of these rows was the segment's
+                    continue
                 with autocast:
                     logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
                                               segment or prefix)
@@ -639,9 +646,9 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
                 if loss is None:
                     break
                 loss.backward()
-                stats["forwarded_sequences"] += len(b["advantages"])
             if stats["skipped"]:
                 break
+            stats["forwarded_sequences"] += len(rows)       # in part (after a segment) or whole
             if segment is not None:
                 segment.backward(segment_loss)   # the rows' gradient and the segment's loss, through its forward
         if stats["skipped"] and all_reduce is None:

@@ -178,7 +178,7 @@ def parse_args(argv=None):
     g.add_argument("--group-segments", action=argparse.BooleanOptionalAction, default=True,
                    help="forward the tokens a group's rollouts share after the prompt (the same first tool calls and "
                         "results) once per group in the update, not once per rollout: the same gradient "
-                        "(grpo.prefix_families; README, Benchmarks: bench.py scale)")
+                        "(grpo.prefix_families; README, Benchmarks: bench.py scale). Off with --kl-coef > 0")
     g.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help=f"glibc: blocks of this size or more get pages of their own, handed back when freed; "
                         f"{LEAN_MMAP_THRESHOLD} lowers the peak for a slower run (bench.py allocator). "
@@ -463,8 +463,11 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
     def episodes(share):
         return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
     if processes > 1 and model.device.type == "cpu":
-        with lora.lora_merged(model):           # once, here: the children read these weights (lora_merged says why)
+        was_training = model.training
+        model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
+        with lora.lora_merged(model):
             trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
+        model.train(was_training)
     else:
         trajectories = episodes(mine)
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order

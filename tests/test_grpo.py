@@ -314,20 +314,26 @@ def test_a_shared_prefix_gives_the_update_of_forwarding_every_sequence_whole(mbs
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
 
 
-def family_trajectories(seed=0):
+def family_trajectories(seed=0, shape="part after a turn"):
     """A step as GRPO sees it after SFT: one prompt for all (12 tokens); two groups whose rollouts
     go on together through a first turn and its tool result (20 tokens: 6 sampled, then 14 of
     mask 0), then part, each with a sampled tail of its own; one more trajectory alone. Each row
-    has its own rollout log-probs, on the shared tokens too (the sampler's batches round apart)."""
+    has its own rollout log-probs, on the shared tokens too (the sampler's batches round apart).
+    Other shapes of the first group: "part at once", its rows share a long question (20 tokens)
+    and differ from their first sampled token (a segment with nothing trained); "the same to the
+    end", one trajectory three times, closed by a tool message (nothing trained after the segment)."""
     g = torch.Generator().manual_seed(seed)
     ints = lambda n: torch.randint(0, VOCAB, (n,), generator=g).tolist()
     prompt, out = ints(12), []
     for group, rows in enumerate((3, 2, 1)):
-        question, turn, result = ints(3), ints(6), ints(14)
+        question, turn, result, same_tail = ints(3), ints(6), ints(14), ints(4)
+        long_question = ints(20)
         for _ in range(rows):
-            tail = ints(3 + len(out) % 4)
-            ids = prompt + question + turn + result + tail
-            mask = [0] * 15 + [1] * 6 + [0] * 14 + [1] * len(tail)
+            tail = same_tail if group == 0 and shape == "the same to the end" else ints(3 + len(out) % 4)
+            ids = prompt + question + turn + result + tail + [1, 2]
+            mask = [0] * 15 + [1] * 6 + [0] * 14 + [1] * len(tail) + [0, 0]
+            if group == 0 and shape == "part at once":
+                ids, mask = prompt + long_question + tail, [0] * 32 + [1] * len(tail)
             logps = [-(0.5 + torch.rand(1, generator=g).item() * 3) * m for m in mask]
             out.append(SimpleNamespace(token_ids=ids, assistant_mask=mask, sampled_logprobs=logps))
     return out
@@ -343,16 +349,30 @@ def test_prefix_families_find_each_group_s_shared_run():
     assert families[2:] == [(12, [5])]
     assert [(end, sorted(rows)) for end, rows in grpo.prefix_families(trajs, 12, min_segment=23)] == [(12, list(range(6)))]
     assert grpo.prefix_families(trajs[:1], 12) == [(12, [0])]
+    # a fourth row of the first group parts at token 20, a third of the way into the run: joined, it
+    # would cut the others' run to 7 tokens, so it stays alone (with the short segments allowed)
+    deviant = SimpleNamespace(**vars(trajs[0]))
+    deviant.token_ids = trajs[0].token_ids[:20] + [(trajs[0].token_ids[20] + 1) % VOCAB] + trajs[0].token_ids[21:]
+    families = [(end, sorted(rows)) for end, rows in grpo.prefix_families(trajs + [deviant], 12, min_segment=4)]
+    assert (34, [0, 1, 2]) in families and families[-1] == (12, [5, 6])
+    # the shapes where a segment holds no trained token, and where rows hold none after it
+    def first_group(trajectories):
+        return next((end, sorted(rows)) for end, rows in grpo.prefix_families(trajectories, 12) if 0 in rows)
+    assert first_group(family_trajectories(shape="part at once")) == (31, [0, 1, 2])
+    same = family_trajectories(shape="the same to the end")
+    assert first_group(same) == (len(same[0].token_ids) - 2, [0, 1, 2])
 
 
+@pytest.mark.parametrize("shape", ["part after a turn", "part at once", "the same to the end"])
 @pytest.mark.parametrize("checkpointing", [False, True])
 @pytest.mark.parametrize("mbs,aggregation", [(1, "token"), (2, "sequence"), (1, "constant")])
-def test_group_segments_give_the_update_of_forwarding_every_sequence_whole(mbs, aggregation, checkpointing):
+def test_group_segments_give_the_update_of_forwarding_every_sequence_whole(mbs, aggregation, checkpointing, shape):
     """Each group's shared run forwarded once (a SharedPrefix segment after the prompt), its
     trained tokens' log-probs taken once and each row's loss terms on them: the same loss and
     update as policy_loss on the whole sequences (the rows' rollout log-probs far from the model's,
-    so the clip acts), with layer checkpointing too; one forward per segment."""
-    trajs, advantages = family_trajectories(), [1.0, -0.5, -0.5, 0.8, -0.8, 0.3]
+    so the clip acts), with layer checkpointing too; one forward per segment, none for rows left
+    with nothing to train; a segment with nothing to train is still read by its rows."""
+    trajs, advantages = family_trajectories(shape=shape), [1.0, -0.5, -0.5, 0.8, -0.8, 0.3]
     model, params = tiny_model()
     perturb_lora(params)
     b = grpo._collate(trajs, advantages, torch.device("cpu"))
@@ -370,9 +390,11 @@ def test_group_segments_give_the_update_of_forwarding_every_sequence_whole(mbs, 
                              gradient_checkpointing=checkpointing)
     calls = count_layer_forwards(model)
     stats = step(model, params, config, trajs=trajs, advantages=advantages)
-    forwards = 1 + 2 + sum(math.ceil(n / mbs) for n in (3, 2, 1))   # the prompt, 2 segments, the micro-batches
+    rows = (0 if shape == "the same to the end" else 3, 2, 1)       # rows with a trained token after their segment
+    forwards = 1 + 2 + sum(math.ceil(n / mbs) for n in rows)         # the prompt, 2 segments, the micro-batches
     assert len(calls) == 2 * forwards * (1 + checkpointing)          # 2 layers, each recomputed in the backward
     assert stats["loss"] == pytest.approx(loss.item(), rel=1e-4) and stats["forwarded_tokens"] == want["tokens"]
+    assert not stats["skipped"] and stats["forwarded_sequences"] == 6
     for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"):
         assert stats[key] == pytest.approx(want[key], rel=1e-4, abs=1e-7), key
     for want_p, p in zip(expected, params):
