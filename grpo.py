@@ -715,12 +715,13 @@ def sft_step(model, optimizer, trajectories, config, scaler):
     The same tokens, masks, chunked log-probs, LoRA and precision (autocast, GradScaler) as the
     RL step, so a warm start teaches exactly the format rollouts produce. Loss = -(sum of masked
     log-probs) / (trained tokens of the whole step), so micro-batches accumulate to the
-    full-batch gradient. A non-finite loss or gradient skips the step. Returns stats.
+    full-batch gradient. The prompt is forwarded once (SharedPrefix) and so is the run the
+    trajectories of a group share after it (a segment, as in grpo_step: rejection sampling's
+    correct rollouts of one task). A non-finite loss or gradient skips the step. Returns stats.
     """
     device = next(model.parameters()).device
     num_tokens = sum(sum(t.assistant_mask) for t in trajectories)
     assert num_tokens > 0, "SFT needs trajectories with trained (assistant) tokens"
-    order = sorted(range(len(trajectories)), key=lambda i: len(trajectories[i].token_ids))
     mbs = config.micro_batch_size
     autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
     was_training = model.training
@@ -732,16 +733,34 @@ def sft_step(model, optimizer, trajectories, config, scaler):
         start = _prefix_length(trajectories, config)
         with autocast:
             prefix = _shared_prefix(model, trajectories, start)   # the prompt, forwarded once (SharedPrefix)
-        for s in range(0, len(order), mbs):
-            chunk = [trajectories[i] for i in order[s:s + mbs]]
-            b = _collate(chunk, [0.0] * len(chunk), device, start)
-            with autocast:
-                logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"], prefix)
-            loss = -(logprobs * b["mask"]).sum() / num_tokens
-            if not torch.isfinite(loss):
-                return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
-            scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
-            total += loss.item()
+        families = (prefix_families(trajectories, start) if start and config.group_segments
+                    else [(start, list(range(len(trajectories))))])
+        for end, members in families:
+            rows = sorted((trajectories[i] for i in members), key=lambda t: len(t.token_ids))
+            segment = segment_loss = None
+            if end > start:     # the family's shared run, once: each row's tokens there counted on one copy
+                with autocast:
+                    segment = SharedPrefix(model, rows[0].token_ids[start:end + 1], after=prefix,
+                                           mask=rows[0].assistant_mask[start:end + 1], chunk_size=config.chunk_size)
+                mask = _collate(rows, [0.0] * len(rows), device, start, end + 1)["mask"]
+                segment_loss = -(segment.logprobs * mask).sum() / num_tokens
+                if not torch.isfinite(segment_loss):
+                    return {"sft_loss": segment_loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
+                total += segment_loss.item()
+            for s in range(0, len(rows), mbs):
+                b = _collate(rows[s:s + mbs], [0.0] * len(rows[s:s + mbs]), device, end, after_segment=end > start)
+                if not b["mask"].any():     # every trained token of these rows was the segment's
+                    continue
+                with autocast:
+                    logprobs = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
+                                              segment or prefix)
+                loss = -(logprobs * b["mask"]).sum() / num_tokens
+                if not torch.isfinite(loss):
+                    return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
+                scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
+                total += loss.item()
+            if segment is not None:
+                segment.backward(scaler.scale(segment_loss))
         if prefix is not None:
             prefix.backward()
         grad_norm = _clip_and_step(optimizer, config.max_grad_norm, scaler)

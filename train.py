@@ -177,7 +177,7 @@ def parse_args(argv=None):
                         "1.15x and GRPO updates 1.5x as long, the run's peak 0.63x (bench.py allocator)")
     g.add_argument("--group-segments", action=argparse.BooleanOptionalAction, default=True,
                    help="forward the tokens a group's rollouts share after the prompt (the same first tool calls and "
-                        "results) once per group in the update, not once per rollout: the same gradient "
+                        "results) once per group in the update (GRPO's or RFT's), not once per rollout: the same gradient "
                         "(grpo.prefix_families; README, Benchmarks: bench.py scale). Off with --kl-coef > 0")
     g.add_argument("--malloc-mmap-threshold", type=int, default=0, metavar="BYTES",
                    help=f"glibc: blocks of this size or more get pages of their own, handed back when freed; "

@@ -424,6 +424,34 @@ def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences(checkpointing)
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
 
 
+@pytest.mark.parametrize("shape", ["part after a turn", "part at once", "the same to the end"])
+@pytest.mark.parametrize("checkpointing", [False, True])
+def test_sft_step_with_group_segments_equals_the_whole_sequences(checkpointing, shape):
+    """Rejection sampling's step on a group's correct rollouts: each group's shared run forwarded
+    once (a segment), its tokens counted once per row, and the same loss and update as the whole
+    sequences; one forward per segment, none for rows left with nothing to train."""
+    trajs = family_trajectories(shape=shape)
+    model, params = tiny_model()
+    perturb_lora(params)
+    b = grpo._collate(trajs, [0.0] * 6, torch.device("cpu"))
+    model.train()
+    logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    loss = -(logps * b["mask"]).sum() / b["mask"].sum()
+    grads = torch.autograd.grad(loss, params)
+    expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
+    model, params = tiny_model()
+    perturb_lora(params)
+    calls = count_layer_forwards(model)
+    stats = grpo.sft_step(model, torch.optim.SGD(params, lr=0.1), trajs,
+                          grpo.GRPOConfig(micro_batch_size=1, max_grad_norm=1e9, gradient_checkpointing=checkpointing),
+                          NO_SCALER)
+    rows = (0 if shape == "the same to the end" else 3) + 2 + 1
+    assert len(calls) == 2 * (1 + 2 + rows) * (1 + checkpointing)    # 2 layers: the prompt, 2 segments, the rows
+    assert stats["sft_loss"] == pytest.approx(loss.item(), rel=1e-4)
+    for want_p, p in zip(expected, params):
+        torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
+
+
 def test_trajectories_without_signal_are_not_forwarded_unless_kl():
     """A = 0 or no trained token: no gradient without KL, so no forward; with KL, A = 0 still pulls."""
     model, params = tiny_model()
