@@ -384,12 +384,13 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             #    flush, a row's cache and feed hold its tokens so far, so rows with the same tokens end
             #    the forward with the same cache row (packed left) and logits: the forward takes one of
             #    each (`firsts`), and its cache row and logits are copied back to all (`which`)
-            firsts, which = _distinct_histories([rows[r] for r in active]) if flush and share_histories else (None, None)
-            shared = firsts is not None and len(firsts) < len(active)
+            firsts, which = (_distinct_histories([rows[r] for r in active]) if flush and share_histories
+                             else (range(len(active)), None))
+            shared = len(firsts) < len(active)
             if shared:
                 cache.batch_select_indices(torch.tensor(firsts, device=model.device))
                 mask = mask[firsts]
-            fed = [feed.get(active[b], []) for b in (firsts if shared else range(len(active)))]
+            fed = [feed.get(active[b], []) for b in firsts]
             ids, new_mask = _right_aligned(fed, pad_id, model.device)                   # (B, W) each
             mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
             columns = 1 + max(len(rows[r].drafts) for r in active)

@@ -177,10 +177,11 @@ def forked(function, items, processes):
     a second thread, and Python's share of a step runs on one core while the other waits; two
     processes of one thread keep both cores busy (README: Benchmarks, bench.py eval). Why fork: a
     child starts with the model already loaded, its pages shared with this process (train.evaluate
-    merges the LoRA before forking, so the merged weights are shared too). Why one thread: GNU OpenMP in a forked child hangs at its first
-    parallel region once the parent has used one, so a child must never start a team. A child that
-    raises sends its traceback, and the parent raises it; a child that dies (killed for memory) is
-    an error that says so; if the parent is interrupted, its children are stopped."""
+    merges the LoRA before forking, so the merged weights are shared too). Why one thread: GNU
+    OpenMP in a forked child hangs at its first parallel region once the parent has used one, so a
+    child must never start a team. A child that raises sends its traceback, and the parent raises
+    it; a child that dies (killed for memory) is an error that says so; if the parent is
+    interrupted, its children are stopped."""
     context = multiprocessing.get_context("fork")
     processes = max(1, min(processes, len(items)))
     children, results, failure = [], [], None
