@@ -1110,13 +1110,17 @@ def bench_sweep(args):
 
 # ---------------------------------------------------------------- scale (train.py under torchrun, parallel.py)
 TRAIN_WORKER = "AGENTRL_BENCH_TRAIN_WORKER"   # set in the train.py runs bench.py scale and allocator start: their flags (JSON)
+TRAINED_GROUPS = "AGENTRL_BENCH_TRAINED_GROUPS"   # bench.py scale --trained-groups: how many of a step's groups train
 
 
 def scripted_rewards(groups, *args, **kwargs):
     """bench.py scale's rewards: trajectory k of a group of n gets k / n, so every group trains (an
-    untrained model answers nothing right); the figure is time, not learning."""
+    untrained model answers nothing right), or only the first --trained-groups (the others all 0);
+    the figure is time, not learning."""
     import judge
-    rewards = [[k / len(g.trajectories) for k in range(len(g.trajectories))] for g in groups]
+    trained = int(os.environ.get(TRAINED_GROUPS) or len(groups))
+    rewards = [[k / len(g.trajectories) if i < trained else 0.0 for k in range(len(g.trajectories))]
+               for i, g in enumerate(groups)]
     unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="scripted")
     return rewards, [unscored] * len(groups), 0
 
@@ -1132,7 +1136,7 @@ def bench_scale(args):
     process's; the others wait for it) and the rest (the update with its gradient all-reduce,
     gathering the step, the metrics record). Times are train.py's own: time_step runs from sampling
     the tasks to the metrics record, so checkpoint and plot writes are left out. Every group
-    trains (scripted rewards), so every step has its update."""
+    trains (scripted rewards), so every step has its update; --trained-groups K: the first K."""
     out = os.path.join("runs", "bench_scale")
     flags = ["--steps", "3", "--sft-steps", "0", "--groups-per-step", "2", "--group-size", "4", "--max-turns", "2",
              "--max-new-tokens", "48", "--eval-size", "1", "--eval-split", "test", "--seed", str(args.seed),
@@ -1143,7 +1147,8 @@ def bench_scale(args):
         run_dir = os.path.join(out, name)
         launcher = [sys.executable] if processes == 1 else [
             sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc_per_node={processes}"]
-        env = {**os.environ, TRAIN_WORKER: json.dumps(flags + extra + ["--out", run_dir])}
+        env = {**os.environ, TRAIN_WORKER: json.dumps(flags + extra + ["--out", run_dir]),
+               TRAINED_GROUPS: str(args.trained_groups or "")}
         t0 = time.perf_counter()
         subprocess.run(launcher + [os.path.abspath(__file__)], env=env, check=True, stdout=subprocess.DEVNULL)
         whole = time.perf_counter() - t0
@@ -1155,7 +1160,8 @@ def bench_scale(args):
                      "rest_s": step_s - rollout_s, "tok_s": tokens / rollout_s, "whole_s": whole,
                      "applied": sum(not r["skipped"] for r in steps)})
     threads = os.environ.get("OMP_NUM_THREADS")
-    print(f"\nscale: train.py, {len(steps)} steps (embedded model, scripted rewards), flags: {' '.join(flags)}; "
+    print(f"\nscale: train.py, {len(steps)} steps (embedded model, scripted rewards for "
+          f"{args.trained_groups or 'every'} group(s) a step), flags: {' '.join(flags)}; "
           f"{os.cpu_count()} CPU cores; threads per process: "
           + (threads if threads else "torch's default in one process, 1 in each of torchrun's"))
     print(f"{'variant':>18} {'steps/min':>10} {'step s':>7} {'rollout s':>10} {'gen tok/s':>10} {'rest s':>7} "
@@ -1272,6 +1278,8 @@ def main():
                              "default: train.py's --draft-tokens)")
     parser.add_argument("--variants", default=None,
                         help="update, eval, scale: a comma-separated subset of the variants (default: all)")
+    parser.add_argument("--trained-groups", type=int, default=0,
+                        help="scale: how many of a step's groups the scripted rewards train (0: all)")
     parser.add_argument("--seed", type=int, default=0)
     args, train_flags = parser.parse_known_args()
     if train_flags and args.which not in ("learn", "sweep", "scale", "allocator"):

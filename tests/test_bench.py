@@ -228,11 +228,12 @@ def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir,
 
 def test_scale_bench_times_runs_with_and_without_group_segments(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """bench.py scale end to end on the tiny model, two of its variants: each a fresh train.py run
-    with its own flags, every step updated (scripted rewards), each row with its times, then the
-    ratio line against the first."""
+    with its own flags, every step updated from the one group of two the scripted rewards train
+    (--trained-groups 1), each row with its times, then the ratio line against the first."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["bench.py", "scale", "--variants", "no-group-segments,1-process", "--model",
-                                     tiny_model_dir, "--steps", "2", "--max-new-tokens", "8", "--no-start-eval"])
+                                     tiny_model_dir, "--steps", "2", "--max-new-tokens", "8", "--no-start-eval",
+                                     "--trained-groups", "1"])
     bench.main()
     out = capsys.readouterr().out
     rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +\d+$", out, re.M)
@@ -240,6 +241,9 @@ def test_scale_bench_times_runs_with_and_without_group_segments(tiny_model_dir, 
     assert all(float(per_minute) > 0 and updates == "2" for _, per_minute, *_, updates in rows), out
     configs = [json.load(open(os.path.join("runs", "bench_scale", name, "config.json"))) for name, *_ in rows]
     assert [c["group_segments"] for c in configs] == [False, True]
+    steps = [json.loads(line) for name, *_ in rows for line in open(os.path.join("runs", "bench_scale", name, "metrics.jsonl"))
+             if "reward_mean" in line]
+    assert [(r["trainable_groups"], r["submitted_groups"]) for r in steps] == [(1, 2)] * 4
     assert re.search(r"1-process / no-group-segments: [\d.]+x steps per minute \| rollout [\d.]+x faster", out), out
 
 
