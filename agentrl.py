@@ -290,6 +290,8 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         the turns they agree on: the rest of the prompt, the same first calls and tool results) are
         fed once, in one row, and the cache row and logits copied to the others. False: every row
         fed (bench.py rollout's baseline)."""
+    if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
+        return []
     t_start, was_training = time.perf_counter(), model.training
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)

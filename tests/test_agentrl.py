@@ -202,6 +202,12 @@ def test_flush_counters_hold_the_prompts_and_tool_messages(scripted):
     assert stats["flush_fed_columns"] >= stats["flush_fed_tokens"]
 
 
+def test_no_tasks_no_groups(tiny_llama, smol_tokenizer):
+    """A process whose share is empty (torchrun with fewer held-out tasks than processes) gets no
+    groups, and an evaluation of nothing is nothing; it used to fail on an empty prompt list."""
+    assert agentrl.rollout_groups(tiny_llama, smol_tokenizer, [], 2, agentrl.Sampling(seed=0), LIMITS) == []
+
+
 def test_rollout_is_reproducible_from_seed(tiny_llama, smol_tokenizer):
     """Same seed, same tokens; another seed, other tokens (sampling goes through the generator)."""
     def run(seed):
