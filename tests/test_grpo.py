@@ -401,12 +401,25 @@ def test_group_segments_give_the_update_of_forwarding_every_sequence_whole(mbs, 
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
 
 
+SFT_CASES = {   # name: (trajectories, forwards of each layer: the prompt, then segments and rows)
+    "the prompt shared": (lambda: shared_prompt_trajectories(4), 1 + 4),
+    "part after a turn": (lambda: family_trajectories(shape="part after a turn"), 1 + 2 + 6),
+    "part at once": (lambda: family_trajectories(shape="part at once"), 1 + 2 + 6),
+    "the same to the end": (lambda: family_trajectories(shape="the same to the end"), 1 + 2 + 3)}
+
+
+@pytest.mark.parametrize("case", list(SFT_CASES))
 @pytest.mark.parametrize("checkpointing", [False, True])
-def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences(checkpointing):
-    trajs = shared_prompt_trajectories(4)
+def test_sft_step_with_a_shared_prefix_and_group_segments_equals_the_whole_sequences(checkpointing, case):
+    """The supervised step (the warm start; rejection sampling's step on a group's correct
+    rollouts): the prompt forwarded once, each group's shared run once (a segment, its tokens
+    counted once per row), and the same loss and update as the whole sequences; one forward per
+    segment, none for rows left with nothing to train."""
+    make, forwards = SFT_CASES[case]
+    trajs = make()
     model, params = tiny_model()
     perturb_lora(params)
-    b = grpo._collate(trajs, [0.0] * 4, torch.device("cpu"))
+    b = grpo._collate(trajs, [0.0] * len(trajs), torch.device("cpu"))
     model.train()
     logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
     loss = -(logps * b["mask"]).sum() / b["mask"].sum()
@@ -418,35 +431,7 @@ def test_sft_step_with_a_shared_prefix_equals_the_whole_sequences(checkpointing)
     stats = grpo.sft_step(model, torch.optim.SGD(params, lr=0.1), trajs,
                           grpo.GRPOConfig(micro_batch_size=1, max_grad_norm=1e9, gradient_checkpointing=checkpointing),
                           NO_SCALER)
-    assert len(calls) == 2 * (1 + 4) * (1 + checkpointing)     # 2 layers: the prefix and 4 sequences (recomputed)
-    assert stats["sft_loss"] == pytest.approx(loss.item(), rel=1e-4)
-    for want_p, p in zip(expected, params):
-        torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
-
-
-@pytest.mark.parametrize("shape", ["part after a turn", "part at once", "the same to the end"])
-@pytest.mark.parametrize("checkpointing", [False, True])
-def test_sft_step_with_group_segments_equals_the_whole_sequences(checkpointing, shape):
-    """Rejection sampling's step on a group's correct rollouts: each group's shared run forwarded
-    once (a segment), its tokens counted once per row, and the same loss and update as the whole
-    sequences; one forward per segment, none for rows left with nothing to train."""
-    trajs = family_trajectories(shape=shape)
-    model, params = tiny_model()
-    perturb_lora(params)
-    b = grpo._collate(trajs, [0.0] * 6, torch.device("cpu"))
-    model.train()
-    logps = grpo.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
-    loss = -(logps * b["mask"]).sum() / b["mask"].sum()
-    grads = torch.autograd.grad(loss, params)
-    expected = [p.detach() - 0.1 * g for p, g in zip(params, grads)]
-    model, params = tiny_model()
-    perturb_lora(params)
-    calls = count_layer_forwards(model)
-    stats = grpo.sft_step(model, torch.optim.SGD(params, lr=0.1), trajs,
-                          grpo.GRPOConfig(micro_batch_size=1, max_grad_norm=1e9, gradient_checkpointing=checkpointing),
-                          NO_SCALER)
-    rows = (0 if shape == "the same to the end" else 3) + 2 + 1
-    assert len(calls) == 2 * (1 + 2 + rows) * (1 + checkpointing)    # 2 layers: the prompt, 2 segments, the rows
+    assert len(calls) == 2 * forwards * (1 + checkpointing)     # 2 layers, each recomputed in the backward
     assert stats["sft_loss"] == pytest.approx(loss.item(), rel=1e-4)
     for want_p, p in zip(expected, params):
         torch.testing.assert_close(p.detach(), want_p, rtol=1e-4, atol=1e-6)
