@@ -1,6 +1,6 @@
 """Benchmarks that back every performance claim in the README.
 
-    python bench.py rollout   # our KV-cache-reusing rollout engine vs re-tokenize + generate(); the floor; where the time goes
+    python bench.py rollout   # our rollout engine vs re-tokenize + generate(); shared histories; the floor; where the time goes
     python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache; fp32 vs bf16 keys and values
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py judge-server   # the --judge http path against llama.cpp's server (if installed)
@@ -16,7 +16,8 @@
     python bench.py pair runs/sft runs/grpo_s0 runs/grpo_s1   # several seeds of an arm: each, and their mean
     python bench.py memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (fit3b.py)
     python bench.py gpu       # the GPU check: 3B memory under a T4 cap, then real training steps (fit3b.py)
-    python bench.py scale     # train.py steps per minute on 1 process and on 2 (torchrun), rollout vs update
+    python bench.py scale     # train.py steps per minute: 1 process, 2 (torchrun), no group segments; rollout vs update
+    python bench.py scale --adapter runs/sft48/sft --group-size 8 --max-turns 4 --max-new-tokens 128 --trained-groups 1
     python bench.py allocator # a short run's peak memory and phase times: activations kept (two mallocs) vs recomputed
 
 Each benchmark measures the baseline and ours in the same run and prints them side by side,
