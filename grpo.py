@@ -376,6 +376,22 @@ def prefix_families(trajectories, start, min_segment=MIN_SEGMENT):
     return out + ([(start, alone)] if alone else [])
 
 
+def _families(trajectories, start, segments):
+    """prefix_families (segments) or one family from the prompt on, each family's indices in order
+    of length: similar lengths share a micro-batch, so less padding."""
+    families = prefix_families(trajectories, start) if start and segments else [(start, list(range(len(trajectories))))]
+    return [(end, sorted(members, key=lambda i: len(trajectories[i].token_ids))) for end, members in families]
+
+
+def _segment(model, rows, prefix, start, end, config):
+    """The run rows share from token `start` to `end` after the prompt (`prefix`), forwarded once,
+    its trained tokens' log-probs with it; None where they share nothing more (end = start)."""
+    if end == start:
+        return None
+    return SharedPrefix(model, rows[0].token_ids[start:end + 1], after=prefix, mask=rows[0].assistant_mask[start:end + 1],
+                        chunk_size=config.chunk_size)
+
+
 # ---------------------------------------------------------------- 3) the loss
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.28,
                 aggregation="token", num_sequences=None, num_tokens=None, max_tokens=None,
@@ -591,20 +607,18 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
         start = _prefix_length(kept, config)   # the prompt every trajectory starts with, forwarded once
         # then each family's run of shared tokens (most often a group's), once too, as a segment; with a
         # KL term (a reference forward per micro-batch) every row goes on from the prompt
-        families = (prefix_families(kept, start) if start and config.group_segments and config.kl_coef == 0
-                    else [(start, list(range(len(kept))))])
         plan = []       # per family: its segment's end (start: none), its rows and advantages, their micro-batches
-        for end, members in families:
-            members.sort(key=lambda i: len(kept[i].token_ids))  # similar lengths share a micro-batch: less padding
+        for end, members in _families(kept, start, config.group_segments and config.kl_coef == 0):
             rows, advs = [kept[i] for i in members], [advantages[keep[i]] for i in members]
             plan.append((end, rows, advs, [_collate(rows[s:s + mbs], advs[s:s + mbs], device, end, after_segment=end > start)
                                            for s in range(0, len(rows), mbs)]))
-        refs = {}
         if config.kl_coef > 0:   # before any forward with grad: a reference context may swap weights in place
             with torch.no_grad(), reference_context, autocast:
                 ref_prefix = _shared_prefix(model, kept, start)   # the reference's own, under its weights
-                refs = {id(b): token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size, b["mask"],
-                                              ref_prefix) for *_, batches in plan for b in batches}
+                for *_, batches in plan:
+                    for b in batches:
+                        b["ref_logprobs"] = token_logprobs(model, b["input_ids"], b["attention_mask"], config.chunk_size,
+                                                           b["mask"], ref_prefix)
         with autocast:
             prefix = _shared_prefix(model, kept, start)
 
@@ -616,7 +630,7 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
             nonlocal forwarded_tokens
             loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"], clip_low=config.clip_low,
                                   clip_high=config.clip_high, aggregation=config.aggregation, kl_coef=config.kl_coef,
-                                  ref_logprobs=refs.get(id(b)), sequence_tokens=b["sequence_tokens"], **norm)
+                                  ref_logprobs=b.get("ref_logprobs"), sequence_tokens=b["sequence_tokens"], **norm)
             if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
                 stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
                 return None
@@ -627,11 +641,10 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
             return scaler.scale(loss)   # a disabled scaler returns the loss as it is
 
         for end, rows, advs, batches in plan:
-            segment = segment_loss = None
-            if end > start:     # the family's shared run: its tokens' log-probs once, each row's terms on them
-                with autocast:
-                    segment = SharedPrefix(model, rows[0].token_ids[start:end + 1], after=prefix,
-                                           mask=rows[0].assistant_mask[start:end + 1], chunk_size=config.chunk_size)
+            with autocast:      # the family's shared run: its tokens' log-probs once, each row's terms on them
+                segment = _segment(model, rows, prefix, start, end, config)
+            segment_loss = None
+            if segment is not None:
                 b = _collate(rows, advs, device, start, end + 1)
                 segment_loss = loss_of(segment.logprobs.expand(len(rows), -1), b)   # (rows, n): one copy, read by all
                 if segment_loss is None:
@@ -733,15 +746,12 @@ def sft_step(model, optimizer, trajectories, config, scaler):
         start = _prefix_length(trajectories, config)
         with autocast:
             prefix = _shared_prefix(model, trajectories, start)   # the prompt, forwarded once (SharedPrefix)
-        families = (prefix_families(trajectories, start) if start and config.group_segments
-                    else [(start, list(range(len(trajectories))))])
-        for end, members in families:
-            rows = sorted((trajectories[i] for i in members), key=lambda t: len(t.token_ids))
-            segment = segment_loss = None
-            if end > start:     # the family's shared run, once: each row's tokens there counted on one copy
-                with autocast:
-                    segment = SharedPrefix(model, rows[0].token_ids[start:end + 1], after=prefix,
-                                           mask=rows[0].assistant_mask[start:end + 1], chunk_size=config.chunk_size)
+        for end, members in _families(trajectories, start, config.group_segments):
+            rows = [trajectories[i] for i in members]
+            with autocast:      # the family's shared run, once: each row's tokens there counted on one copy
+                segment = _segment(model, rows, prefix, start, end, config)
+            segment_loss = None
+            if segment is not None:
                 mask = _collate(rows, [0.0] * len(rows), device, start, end + 1)["mask"]
                 segment_loss = -(segment.logprobs * mask).sum() / num_tokens
                 if not torch.isfinite(segment_loss):
