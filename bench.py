@@ -925,9 +925,10 @@ def bench_learn(args):
                        kind, a supervised step on the correct ones (--update rft)
         SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
 
-    Every arm is evaluated on the whole of both held-out splits (--eval-size 0): per-task outcomes,
-    paired between arms, give each difference with a 95% interval (paired bootstrap) and McNemar's
-    p. With --grpo-seeds K the GRPO arm runs K times (seeds --seed, --seed + 1, ...): each run gets
+    Every arm is evaluated on the whole of both held-out splits (--eval-size 0), in two forked
+    processes (train.py --eval-processes 2; at the defaults the whole benchmark takes about 80
+    minutes on 2 cores, two thirds of it evaluating): per-task outcomes, paired between arms, give
+    each difference with a 95% interval (paired bootstrap) and McNemar's p. With --grpo-seeds K the GRPO arm runs K times (seeds --seed, --seed + 1, ...): each run gets
     its row, and the K runs' mean is paired with the start, RFT and the control (each task's outcome
     averaged over the runs), with the spread of the runs' own differences beside it: what a seed
     alone moves. The control gets the GRPO runs' mean time. The start's pass@k at temperature 1 on
@@ -947,7 +948,11 @@ def bench_learn(args):
         raise SystemExit("bench.py learn compares RL with SFT: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
-    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", *args.train_flags]
+    # evaluations in two forked processes (train.py --eval-processes; a flag of the user's comes later and wins):
+    # the whole-split evaluations are most of the benchmark's time, and two one-thread processes run them
+    # faster than one process of two threads on most days (README, Benchmarks)
+    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
+              *args.train_flags]
 
     def records(arm):
         return run_records(os.path.join(out, arm))
@@ -1266,7 +1271,8 @@ def main():
     parser.add_argument("--tokenizer", default=None,
                         help="gpu, memory --shape qwen2.5-3b: a tokenizer folder (default: the embedded model's)")
     parser.add_argument("--eval-size", type=int, default=0, help="learn, sweep: held-out (sweep: validation) tasks per split and evaluation (0: all)")
-    parser.add_argument("--sft-steps", type=int, default=64, help="learn: warm-start steps of the shared start; sweep: of each rank's start")
+    parser.add_argument("--sft-steps", type=int, default=48,
+                        help="learn: warm-start steps of the shared start (train.py's default warm start); sweep: of each rank's start")
     parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time); sweep: of each run")
     parser.add_argument("--grpo-seeds", type=int, default=1,
                         help="learn: GRPO runs, seeds --seed, --seed + 1, ...: their mean is paired with every arm, the spread printed")
