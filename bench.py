@@ -1036,14 +1036,16 @@ def bench_learn(args):
 
     fig, (left, right) = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.8 / len(per_split)
+    colors = {name: f"C{i}" for i, name in enumerate(per_split)}     # an arm has one color in both panels
     for i, (name, by_split) in enumerate(per_split.items()):
         left.bar([j + i * width for j in range(len(splits))], [m["eval_accuracy"] for m in by_split.values()], width,
-                 label=name)
+                 label=name, color=colors[name])
     left.set_xticks([j + 0.4 - width / 2 for j in range(len(splits))], splits)
     left.set_ylabel("held-out accuracy (greedy)")
     left.legend(fontsize=8)
     for name, steps in rl_steps.items():
-        right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", label=f"{name}: train accuracy")
+        right.plot([r["step"] for r in steps], [r["train_accuracy"] for r in steps], "o-", color=colors[name],
+                   label=f"{name}: train accuracy")
     right.set_xlabel("step")
     right.legend(fontsize=8)
     fig.tight_layout()
