@@ -926,16 +926,17 @@ def bench_learn(args):
         SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
 
     Every arm is evaluated on the whole of both held-out splits (--eval-size 0), in two forked
-    processes (train.py --eval-processes 2; at the defaults the whole benchmark takes about 80
-    minutes on 2 cores, two thirds of it evaluating): per-task outcomes, paired between arms, give
-    each difference with a 95% interval (paired bootstrap) and McNemar's p. With --grpo-seeds K the GRPO arm runs K times (seeds --seed, --seed + 1, ...): each run gets
-    its row, and the K runs' mean is paired with the start, RFT and the control (each task's outcome
-    averaged over the runs), with the spread of the runs' own differences beside it: what a seed
-    alone moves. The control gets the GRPO runs' mean time. The start's pass@k at temperature 1 on
-    --pass-tasks test tasks is the headroom: greedy accuracy RL could reach by making the policy
-    pick, every time, what it already sometimes finds. A finished SFT start in runs/bench_learn/sft
-    with the same settings is reused, and so is every arm that finished with the same flags (a benchmark
-    stopped part way, or run again with more --grpo-seeds, runs only what is missing).
+    processes (train.py --eval-processes 2; at the defaults the whole benchmark took 82 minutes on
+    2 cores, two thirds of it evaluating): per-task outcomes, paired between arms, give each
+    difference with a 95% interval (paired bootstrap) and McNemar's p. With --grpo-seeds K the GRPO
+    arm runs K times (seeds --seed, --seed + 1, ...): each run gets its row, and the K runs' mean is
+    paired with the start, RFT and the control (each task's outcome averaged over the runs), with
+    the spread of the runs' own differences beside it: what a seed alone moves. The control gets the
+    GRPO runs' mean time. The start's pass@k at temperature 1 on --pass-tasks test tasks is the
+    headroom: greedy accuracy RL could reach by making the policy pick, every time, what it already
+    sometimes finds. A finished SFT start in runs/bench_learn/sft with the same settings is reused,
+    and so is every arm that finished with the same flags (a benchmark stopped part way, or run
+    again with more --grpo-seeds, runs only what is missing).
     """
     import matplotlib
     matplotlib.use("Agg")
@@ -949,8 +950,8 @@ def bench_learn(args):
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
     # evaluations in two forked processes (train.py --eval-processes; a flag of the user's comes later and wins):
-    # the whole-split evaluations are most of the benchmark's time, and two one-thread processes run them
-    # faster than one process of two threads on most days (README, Benchmarks)
+    # the whole-split evaluations are most of the benchmark's time, and two one-thread processes ran all 247
+    # test questions 1.39x as fast as one process of two threads (README, Benchmarks; 0.99x on 48 another day)
     common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
               *args.train_flags]
 
