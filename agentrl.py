@@ -59,6 +59,7 @@ Deliberate simplifications, and why they are safe:
   is cheaper than gathering the rows that need it.
 """
 import argparse
+import copy
 import json
 import re
 import textwrap
@@ -158,6 +159,9 @@ class Sampling:
     seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
     draft: int = 0             # prompt-lookup draft tokens a row checks per forward (0: one token a forward);
                                #   the tokens keep their distribution (greedy: the same tokens), see _draft
+    weight_dtype: torch.dtype | None = None   # the merged layers' and the lm_head's weights while generating
+                               #   (None: fp32 merged, the head as the model holds it); torch.bfloat16
+                               #   only with greedy (lora.lora_merged says why)
 
 
 @dataclass
@@ -292,15 +296,18 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         fed (bench.py rollout's baseline)."""
     if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
         return []
+    if sampling.weight_dtype not in (None, torch.float32) and not sampling.greedy:
+        raise ValueError(f"weights in {sampling.weight_dtype} are for greedy evaluation: sampled rollouts record "
+                         f"log-probs for the update's ratio, which need fp32 (lora.lora_merged)")
     t_start, was_training = time.perf_counter(), model.training
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
     stop_ids, pad_id, chat = stop_token_ids(model, tokenizer), tokenizer.pad_token_id or 0, _Chat(tokenizer)
-    forward = _Forward(model)
+    forward = _Forward(model, sampling.weight_dtype)
     counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0, packed_columns=0, drafted_tokens=0,
                     accepted_drafts=0)
 
-    with lora.lora_merged(model):      # one fp32 weight per layer while generating (lora.py says why)
+    with lora.lora_merged(model, sampling.weight_dtype or torch.float32):   # one weight a layer (lora.py says why)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
         rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
@@ -448,10 +455,13 @@ def _pack_left(cache, mask):
 class _Forward:
     """One forward of the decoder body over new tokens and the cache, then the lm_head on the last
     columns only (a row's token and its drafts): full-vocabulary logits are never made for a whole prompt or tool result (as
-    grpo.token_logprobs, the body and the head run apart). Counts and times every call."""
+    grpo.token_logprobs, the body and the head run apart). Counts and times every call. dtype: the
+    head in that precision (Sampling.weight_dtype: a copy; None: the model's own)."""
 
-    def __init__(self, model):
+    def __init__(self, model, dtype=None):
         self.body, self.head, self.device = model.base_model, model.get_output_embeddings(), model.device
+        if dtype is not None and self.head.weight.dtype != dtype:
+            self.head = copy.deepcopy(self.head).to(dtype)
         self.cache_arg = lora.cache_keyword(self.body)
         # cache_columns: KV columns read (every row reads the whole (B, S+W) cache, holes included);
         # query_key_pairs: attention's work, W new columns each against S+W (bench.py's floor)
@@ -468,7 +478,7 @@ class _Forward:
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]   # (B, W): real tokens before each, in its row
         hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                            **{self.cache_arg: cache}).last_hidden_state                     # (B, W, H)
-        logits = self.head(hidden[:, W - columns:]).float()                                     # (B, C, V)
+        logits = self.head(hidden[:, W - columns:].to(self.head.weight.dtype)).float()         # (B, C, V)
         if self.device.type == "cuda":
             torch.cuda.synchronize()
         seconds = time.perf_counter() - t0

@@ -10,7 +10,7 @@
     python bench.py eval --adapter runs/default   # greedy evaluation of all 247 test tasks: batching, drafts, 2 processes; the floor
     python bench.py learn     # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python bench.py learn --lr 5e-4   # any other flag goes to train.py, for every arm
-    python bench.py learn --grpo-seeds 2   # GRPO twice (seeds 0 and 1): each run, and their mean against every arm
+    python bench.py learn --grpo-seeds 1   # GRPO once (the default is twice, seeds 0 and 1, paired as their mean)
     python bench.py sweep     # the RL lr and the LoRA rank, chosen on a validation slice of train
     python bench.py pair runs/sft96_full runs/grpo_full   # two evaluations task by task: the difference, its interval
     python bench.py pair runs/sft runs/grpo_s0 runs/grpo_s1   # several seeds of an arm: each, and their mean
@@ -620,10 +620,12 @@ def bench_update(args):
 # lora.ATTENTION, what train.py runs; "sdpa" is transformers' own, which repeats keys and values for
 # drafts; processes: forked, one thread each, each with a contiguous share of the tasks and its own
 # 16 rows, as train.py --eval-processes runs them)
-EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None, 1), "continuous-32": ("continuous", 32, False, None, 1),
-                 "continuous-16": ("continuous", 16, False, None, 1), "drafts-16": ("continuous", 16, True, None, 1),
-                 "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa", 1),
-                 "drafts-16-2-processes": ("continuous", 16, True, None, 2)}
+EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None, 1, None), "continuous-32": ("continuous", 32, False, None, 1, None),
+                 "continuous-16": ("continuous", 16, False, None, 1, None), "drafts-16": ("continuous", 16, True, None, 1, None),
+                 "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa", 1, None),
+                 "drafts-16-2-processes": ("continuous", 16, True, None, 2, None),
+                 "drafts-16-bf16": ("continuous", 16, True, None, 1, torch.bfloat16),
+                 "drafts-16-2-processes-bf16": ("continuous", 16, True, None, 2, torch.bfloat16)}
 
 
 def bench_eval(args):
@@ -633,14 +635,17 @@ def bench_eval(args):
     (continuous batching), with 32 and with 16 rows at a time; with 16, and --draft tokens a row
     guessed and checked in each forward (Sampling.draft), with our attention and with transformers'
     (which copies keys and values per query head for several query tokens), and in two processes of
-    one thread each (train.py --eval-processes 2). Each variant in a fresh process, with glibc's
+    one thread each (train.py --eval-processes 2); those two again with the merged layers and the
+    lm_head in bf16 (train.py --eval-dtype bf16), where "same outcome" counts what the rounding
+    changed. Each variant in a fresh process, with glibc's
     malloc as train.py runs it: its time, its peak resident memory (the whole process: model,
     adapter, caches, and the freed memory malloc keeps; with forked processes, this one's peak and
     what each forked one added to the pages it started with), the engine's counters, and
     the outcomes, which greedy decoding makes (nearly) the same in every variant. Then where the time goes: each variant's time against
     the floor of its forwards' work (bench.py rollout's floor, this machine's rates measured after
     the variants ran), and the flushes' forwards (prompts and tool messages, many tokens a row)
-    apart from the decode forwards (a token and its drafts a row).
+    apart from the decode forwards (a token and its drafts a row). A bf16 variant is held to the
+    same floor, fp32's: by how much it goes under that floor's multiple is what half precision buys.
     """
     variant = os.environ.get(CHILD_VARIANT)
     if variant is None:
@@ -650,11 +655,12 @@ def bench_eval(args):
         base = next(iter(results.values()))   # the first variant measured is the baseline
         print(f"\ngreedy evaluation of {base['tasks']} {args.split} tasks, {args.adapter or 'the base model'}, "
               f"{base['limits']} | {base['device']}")
-        print(f"{'variant':<22}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
+        width = max(map(len, results)) + 2
+        print(f"{'variant':<{width}}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
               f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'drafts taken':>14}")
         for v, r in results.items():
             same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
-            print(f"{v:<22}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
+            print(f"{v:<{width}}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
                   f"{r['logit_rows'] / r['forwards']:>14.1f}{r['forwards']:>10}{r['peak_gib']:>9.2f} GiB"
                   f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}"
                   f"{r['accepted_drafts']:>7}/{r['drafted_tokens']}")
@@ -663,7 +669,7 @@ def bench_eval(args):
               f"{flops / 1e9:.0f} GFLOP/s): the whole evaluation; the flushes' forwards (the prompts and the tool "
               f"messages, fed many tokens a row: {100 * base['flush_fed_tokens'] / base['fed_tokens']:.0f}% of the tokens fed in "
               f"{base['flush_forwards']} of {base['forwards']} forwards, first variant); the decode forwards (a token and its drafts a row)")
-        print(f"{'variant':<22}{'time':>9}{'floor':>9}{'x floor':>9}{'in forwards':>13}{'flushes':>10}{'x floor':>9}"
+        print(f"{'variant':<{width}}{'time':>9}{'floor':>9}{'x floor':>9}{'in forwards':>13}{'flushes':>10}{'x floor':>9}"
               f"{'decode':>9}{'x floor':>9}")
         for v, r in results.items():
             floor = floor_seconds(r["work"], bandwidth, flops)["all"]
@@ -674,7 +680,7 @@ def bench_eval(args):
                          f"{decode_s:>8.0f}s{decode_s / floor_seconds(decode_work, bandwidth, flops)['all']:>8.1f}x")
             else:   # its processes' times add up to more than the wall time: only their shares are worth printing
                 parts = f"{100 * flush_s / r['forward_s']:>9.0f}%{'':>9}{100 * decode_s / r['forward_s']:>8.0f}%{'':>9}"
-            print(f"{v:<22}{r['seconds']:>8.0f}s{floor:>8.0f}s{r['seconds'] / floor:>8.1f}x"
+            print(f"{v:<{width}}{r['seconds']:>8.0f}s{floor:>8.0f}s{r['seconds'] / floor:>8.1f}x"
                   f"{100 * r['forward_s'] / r['total_s']:>12.0f}%{parts}")
         return
 
@@ -683,7 +689,7 @@ def bench_eval(args):
     import parallel
     import sql_env
     import train
-    mode, rows, drafts, attention, processes = EVAL_VARIANTS[variant]
+    mode, rows, drafts, attention, processes, weight_dtype = EVAL_VARIANTS[variant]
     defaults = train.parse_args([])
     limits = agentrl.Limits(defaults.max_turns, defaults.max_new_tokens, defaults.max_context)
     model, tokenizer = lora.load_model()
@@ -692,7 +698,7 @@ def bench_eval(args):
         lora.load_adapter(model, lora.find_adapter(args.adapter))
     tasks = sql_env.load_tasks("default", args.split)
     tasks = tasks[:args.tasks] if args.tasks else tasks
-    greedy = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0)
+    greedy = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0, weight_dtype=weight_dtype)
 
     def episodes(share, max_rows):       # outcomes, engine counters, how far this process's peak rose above its start
         start, stats = resident_bytes("VmRSS"), {}
@@ -702,7 +708,8 @@ def bench_eval(args):
     if mode == "batches":
         shares = [episodes(tasks[i:i + rows], None) for i in range(0, len(tasks), rows)]
     elif processes > 1:
-        shares = parallel.forked(lambda share: episodes(share, rows), tasks, processes)
+        with lora.lora_merged(model, weight_dtype or torch.float32):     # merged once, shared, as train.evaluate does
+            shares = parallel.forked(lambda share: episodes(share, rows), tasks, processes)
     else:
         shares = [episodes(tasks, rows)]
     seconds = time.perf_counter() - t0
@@ -926,13 +933,13 @@ def bench_learn(args):
         SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
 
     Every arm is evaluated on the whole of both held-out splits (--eval-size 0), in two forked
-    processes (train.py --eval-processes 2; at the defaults the whole benchmark took 82 minutes on
-    2 cores, two thirds of it evaluating): per-task outcomes, paired between arms, give each
-    difference with a 95% interval (paired bootstrap) and McNemar's p. With --grpo-seeds K the GRPO
-    arm runs K times (seeds --seed, --seed + 1, ...): each run gets its row, and the K runs' mean is
-    paired with the start, RFT and the control (each task's outcome averaged over the runs), with
-    the spread of the runs' own differences beside it: what a seed alone moves. The control gets the
-    GRPO runs' mean time. The start's pass@k at temperature 1 on --pass-tasks test tasks is the
+    processes with the weights in bf16 (train.py --eval-processes 2 --eval-dtype bf16: the
+    evaluations are most of the benchmark's time, README "Evaluation in bf16"): per-task outcomes,
+    paired between arms, give each difference with a 95% interval (paired bootstrap) and McNemar's
+    p. The GRPO arm runs --grpo-seeds times (default 2; seeds --seed, --seed + 1, ...): each run
+    gets its row, and with several runs their mean is paired with the start, RFT and the control
+    (each task's outcome averaged over the runs), with the spread of the runs' own differences
+    beside it: what a seed alone moves. The control gets the GRPO runs' mean time. The start's pass@k at temperature 1 on --pass-tasks test tasks is the
     headroom: greedy accuracy RL could reach by making the policy pick, every time, what it already
     sometimes finds. A finished SFT start in runs/bench_learn/sft with the same settings is reused,
     and so is every arm that finished with the same flags (a benchmark stopped part way, or run
@@ -949,11 +956,12 @@ def bench_learn(args):
         raise SystemExit("bench.py learn compares RL with SFT: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
-    # evaluations in two forked processes (train.py --eval-processes; a flag of the user's comes later and wins):
-    # the whole-split evaluations are most of the benchmark's time, and two one-thread processes ran all 247
-    # test questions 1.39x as fast as one process of two threads (README, Benchmarks; 0.99x on 48 another day)
+    # evaluations in two forked processes, bf16 weights (train.py --eval-processes, --eval-dtype; a flag of the
+    # user's comes later and wins): the whole-split evaluations are most of the benchmark's time; two one-thread
+    # processes ran all 247 test questions 1.39x as fast as one of two threads (0.99x on 48 another day), and bf16
+    # weights 1.58x as fast again, with the same 247 outcomes (README, Benchmarks)
     common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
-              *args.train_flags]
+              "--eval-dtype", "bf16", *args.train_flags]
 
     def records(arm):
         return run_records(os.path.join(out, arm))
@@ -1277,7 +1285,7 @@ def main():
     parser.add_argument("--sft-steps", type=int, default=48,
                         help="learn: warm-start steps of the shared start (train.py's default warm start); sweep: of each rank's start")
     parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time); sweep: of each run")
-    parser.add_argument("--grpo-seeds", type=int, default=1,
+    parser.add_argument("--grpo-seeds", type=int, default=2,
                         help="learn: GRPO runs, seeds --seed, --seed + 1, ...: their mean is paired with every arm, the spread printed")
     parser.add_argument("--pass-tasks", type=int, default=24, help="learn: test tasks for the start's pass@k (0: skip)")
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")

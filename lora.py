@@ -196,8 +196,10 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         if not self.enabled:
             return self.base_layer(x)
-        if self.merged is not None:
-            return nn.functional.linear(x, self.merged, self.base_layer.bias)
+        if self.merged is not None:    # in the precision lora_merged folded it to (fp32: the casts are no-ops)
+            bias = self.base_layer.bias
+            bias = None if bias is None else bias.to(self.merged.dtype)
+            return nn.functional.linear(x.to(self.merged.dtype), self.merged, bias).to(x.dtype)
         y = self.base_layer(x)
         # the scale multiplies the r-wide intermediate, not the out-wide update: the same product,
         # an elementwise pass (forward and backward) over r columns instead of out
@@ -284,23 +286,30 @@ def lora_state(model, folder=None) -> list[torch.Tensor]:
 
 
 class lora_merged:
-    """Generate with W + scale * B A folded into one fp32 weight per layer, no gradient: the same
+    """Generate with W + scale * B A folded into one weight per layer (fp32), no gradient: the same
     function as the LoRA forward up to rounding, one matmul per layer instead of three (on a CPU
     the small LoRA matmuls cost about 15% of a decode step). Each merged layer holds a copy of its
     weight until the context ends. Layers whose weight is not fp32 keep the LoRA path: folding
     a small update into fp16/bf16 weights would round it away. Nested, an inner context leaves the
     layers an outer one merged as they are: merge once before forking (parallel.forked), and the
-    children share those weights instead of each building its own."""
+    children share those weights instead of each building its own.
 
-    def __init__(self, model):
-        self.model = model
+    dtype: the folded weights' precision. torch.bfloat16 halves the bytes a decode step reads, and a
+    CPU with bf16 matrix instructions multiplies them faster too (README, "Evaluation in bf16"),
+    but the logits move by about 1e-2 (and a small update rounds with its weight): a greedy
+    evaluation may take it (train.py --eval-dtype; bench.py eval counts the outcomes it changes),
+    the log-probs PPO's ratio is taken against may not, so rollouts stay fp32
+    (agentrl.Sampling.weight_dtype)."""
+
+    def __init__(self, model, dtype=torch.float32):
+        self.model, self.dtype = model, dtype
 
     @torch.no_grad()
     def __enter__(self):
         self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled and m.merged is None
                        and m.base_layer.weight.dtype == torch.float32 and not (m.training and m.dropout.p)]
         for m in self.layers:
-            m.merged = m.folded_weight()
+            m.merged = m.folded_weight().to(self.dtype)
         return self.model
 
     def __exit__(self, *exc):

@@ -68,6 +68,7 @@ from files import atomic_folder, atomic_path, write_text_atomic
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
 DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts")
 EVAL_PROCESSES_DEFAULT = 1      # --eval-processes
+EVAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -191,6 +192,11 @@ def parse_args(argv=None):
                    help="on a CPU, evaluate in this many processes forked from the run, one thread each, each a share "
                         "of the tasks (parallel.forked; README, Benchmarks: bench.py eval); 1: in the run's own process. "
                         "Ignored on a GPU; under torchrun, per process")
+    g.add_argument("--eval-dtype", choices=sorted(EVAL_DTYPES), default="fp32",
+                   help="on a CPU, the weights' precision in evaluations (the greedy episodes only, never the rollouts "
+                        "GRPO learns from): bf16 reads half the bytes and is faster on a CPU with bf16 instructions, "
+                        "and may change a few greedy outcomes (README, Benchmarks: evaluation in bf16). Ignored on a GPU, "
+                        "where the model already runs in half precision")
     g.add_argument("--eval-only", action="store_true",
                    help="evaluate --model/--adapter on --eval-split, write the record and episodes to --out, and exit")
     g.add_argument("--start-eval", action=argparse.BooleanOptionalAction, default=True,
@@ -448,7 +454,7 @@ def behaviour(trajectories):
     }
 
 
-def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, processes=1):
+def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, processes=1, weight_dtype=None):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters. All tasks go through one engine call, `max_rows` episodes at a
     time, a finished episode's place taken by the next task (continuous batching). 16 rows, not
@@ -456,16 +462,18 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
     its weights) and 32 rows were only 1.09x faster (README: bench.py eval). path: a .jsonl file to
     write every episode to, to read what the agent did on each held-out task. draft: Sampling.draft.
     processes: on a CPU, that many forked processes of one thread each, each with a contiguous share
-    of the tasks and its own `max_rows` (parallel.forked)."""
+    of the tasks and its own `max_rows` (parallel.forked). weight_dtype: Sampling.weight_dtype."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    greedy = agentrl.Sampling(greedy=True, draft=draft)
+    if model.device.type != "cpu":      # a GPU runs the model in half precision already (lora.precision_for)
+        weight_dtype = None
+    greedy = agentrl.Sampling(greedy=True, draft=draft, weight_dtype=weight_dtype)
 
     def episodes(share):
         return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
     if processes > 1 and model.device.type == "cpu":
         was_training = model.training
         model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
-        with lora.lora_merged(model):
+        with lora.lora_merged(model, weight_dtype or torch.float32):
             trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
         model.train(was_training)
     else:
@@ -489,15 +497,21 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
     }
 
 
-def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, draft=0, processes=1):
+def eval_options(args) -> dict:
+    """evaluate's keyword arguments from the command line: drafts, processes, the weights' precision."""
+    return dict(draft=args.draft_tokens, processes=args.eval_processes, weight_dtype=EVAL_DTYPES[args.eval_dtype])
+
+
+def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, **options):
     """One evaluation record for every held-out split: the first split's metrics under the eval_*
     keys every reader knows (plot, summary, bench.py learn), each other split's under its own name
     (eval_accuracy -> test_schema_accuracy), and eval_split naming the first. With run_dir, the
-    episodes go to run_dir/evals/<label>_<split>.jsonl. draft, processes: as evaluate's."""
+    episodes go to run_dir/evals/<label>_<split>.jsonl. options: evaluate's draft, processes and
+    weight_dtype (eval_options)."""
     record = {}
     for i, (split, tasks) in enumerate(eval_sets.items()):
         path = os.path.join(run_dir, "evals", f"{label}_{split}.jsonl") if run_dir else None
-        metrics = evaluate(model, tokenizer, tasks, limits, path=path, draft=draft, processes=processes)
+        metrics = evaluate(model, tokenizer, tasks, limits, path=path, **options)
         record.update(metrics if i == 0 else {split + k[len("eval"):]: v for k, v in metrics.items()})
     return {"eval_split": next(iter(eval_sets)), **record}
 
@@ -649,8 +663,7 @@ def run_process(args, device):
         eval_sets[split] = random.Random(0).sample(tasks, min(args.eval_size, len(tasks))) if args.eval_size else tasks
     limits = agentrl.Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
     if args.eval_only:      # the record (per-task outcomes: pair it with another) and every episode stay in --out
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "eval_only",
-                                 args.draft_tokens, args.eval_processes)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "eval_only", **eval_options(args))
         if parallel.is_main():
             write_text_atomic(os.path.join(args.out, "eval_only.json"), json.dumps({"adapter": args.adapter, "data": args.data, **record}) + "\n")
         print(f"eval on {args.data}:\n{format_evals(record, args.eval_splits)}\nrecord and episodes: {args.out}")
@@ -769,7 +782,7 @@ def run_process(args, device):
         # 7) evaluate and checkpoint
         if args.eval_every and step % args.eval_every == 0 and step != args.steps:
             record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{step:04d}",
-                                     args.draft_tokens, args.eval_processes)
+                                     **eval_options(args))
             append_jsonl(metrics_path, {"step": step, **record})
             tqdm.write(f"eval step {step}:\n{format_evals(record, args.eval_splits)}")
         if step % args.checkpoint_every == 0 or step == args.steps:
@@ -782,7 +795,7 @@ def run_process(args, device):
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < args.steps:
         record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, f"step_{args.steps:04d}",
-                                 args.draft_tokens, args.eval_processes)
+                                 **eval_options(args))
         append_jsonl(metrics_path, {"step": args.steps, **record})
     if not parallel.is_main():   # rank 0 saves the adapter and reports
         return None
@@ -805,14 +818,12 @@ def start_run(args, model, tokenizer, eval_sets, train_tasks, limits, config, pr
         write_text_atomic(os.path.join(args.out, "config.json"), json.dumps(vars(args), indent=2))
     if args.start_eval:
         phase = "start" if args.adapter else "base"
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase,
-                                 args.draft_tokens, args.eval_processes)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, phase, **eval_options(args))
         append_jsonl(metrics_path, {"step": 0, "phase": phase, **record})
         print(f"eval step 0 ({args.adapter or 'base model'}):\n{format_evals(record, args.eval_splits)}")
     if args.sft_steps:
         warm_start(args, model, tokenizer, train_tasks, limits, config, metrics_path, precision.use_grad_scaler)
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft",
-                                 args.draft_tokens, args.eval_processes)
+        record = evaluate_splits(model, tokenizer, eval_sets, limits, args.out, "sft", **eval_options(args))
         append_jsonl(metrics_path, {"step": 0, "phase": "sft", **record})
         print(f"eval step 0 (after {args.sft_steps} SFT steps):\n{format_evals(record, args.eval_splits)}")
 

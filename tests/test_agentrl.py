@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import agentrl
+import lora
 
 TOOLS = [
     {"type": "function", "function": {"name": "run_sql", "description": "Run a read-only SQL query.",
@@ -246,6 +247,31 @@ def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer, max_ro
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), torch.tensor(b.sampled_logprobs), rtol=0, atol=1e-4)
         fresh = full_forward_logprobs(tiny_llama, a.token_ids) * torch.tensor(a.assistant_mask)
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
+
+
+def test_weights_in_bf16_are_for_greedy_evaluation_only(tiny_llama, smol_tokenizer):
+    """Sampling.weight_dtype=torch.bfloat16: every merged layer computes with a bf16 weight while
+    rows decode, and so does a bf16 copy of the lm_head, so the recorded log-probs sit within bf16
+    rounding of a fresh fp32 forward, and not on it as fp32 generation does; the model is fp32 and
+    unmerged again after. Sampled rollouts, whose log-probs the update's ratio reads, refuse it."""
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    layers = [m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear)]
+    merged = []
+    hooks = [m.register_forward_pre_hook(lambda module, inputs: merged.append(module.merged.dtype)) for m in layers]
+    try:
+        half = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True, weight_dtype=torch.bfloat16))
+    finally:
+        for hook in hooks:
+            hook.remove()
+    assert merged and set(merged) == {torch.bfloat16}
+    assert all(m.merged is None for m in layers) and tiny_llama.lm_head.weight.dtype == torch.float32
+    gaps = []
+    for t in [t for g in half for t in g.trajectories]:
+        fresh = full_forward_logprobs(tiny_llama, t.token_ids) * torch.tensor(t.assistant_mask)
+        gaps.append((torch.tensor(t.sampled_logprobs) - fresh).abs().max())
+    assert 1e-3 < max(gaps) < 0.5, gaps      # this random model's logits are large; fp32 is within 1e-4
+    with pytest.raises(ValueError, match="greedy evaluation"):
+        rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(weight_dtype=torch.bfloat16))
 
 
 def test_draft_proposes_what_followed_the_latest_earlier_ngram():
@@ -625,7 +651,6 @@ def test_ask_reads_questions_until_end_of_input(tiny_model_dir, shop_db, capsys,
 def test_ask_with_a_run_folder_uses_its_final_adapter(tiny_model_dir, shop_db, tmp_path, capsys):
     """--adapter takes a run folder (train.py --out) and finds its final adapter; the base model is
     the one the adapter records, so --model is not needed."""
-    import lora
     model, _ = lora.load_model(tiny_model_dir)
     lora.apply_lora(model, r=4, alpha=8)
     lora.save_adapter(model, tmp_path / "run" / "final")
@@ -644,7 +669,6 @@ def test_ask_bad_input_is_one_clear_line_before_any_model_loads(case, message, t
     """A missing file, a non-SQLite file, an empty database or a folder with no adapter: one line
     naming the problem, no traceback, no model loaded, and the file left as it was."""
     import sqlite3
-    import lora
     monkeypatch.setattr(lora, "load_model", lambda *a, **kw: pytest.fail("a model was loaded"))
     paths = {"missing": tmp_path / "nope.sqlite", "not_sqlite": tmp_path / "notes.sqlite",
              "no_tables": tmp_path / "empty.sqlite", "no_adapter": shop_db[0]}

@@ -276,7 +276,7 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert [(c["seed"], c["update"]) for c in (configs["grpo"], configs["grpo_seed1"], configs["rft"])] == [(0, "grpo"), (1, "grpo"), (0, "rft")]
     assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
     assert configs["control"]["adapter"] == start and configs["control"]["steps"] == 0
-    assert all(c["eval_processes"] == 2 for c in configs.values())     # the whole-split evaluations forked
+    assert all(c["eval_processes"] == 2 and c["eval_dtype"] == "bf16" for c in configs.values())   # forked, bf16
 
     def seconds(arm, key):
         return [r["time_step"] for r in map(json.loads, open(os.path.join(folder, arm, "metrics.jsonl"))) if key in r]

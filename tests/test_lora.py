@@ -77,6 +77,26 @@ def test_lora_merged_is_the_adapted_model_and_lets_go(tiny_llama):
     assert torch.equal(logits(tiny_llama), adapted) and not torch.allclose(adapted, base)
 
 
+def test_lora_merged_in_bf16_keeps_the_update_and_lets_go(tiny_llama):
+    """lora_merged(model, torch.bfloat16) folds each layer into one bf16 weight and casts its input
+    and output at the layer's edges (the model's activations stay fp32): the logits stay within bf16
+    rounding of the adapted model's, that rounding is far smaller than what the adapter changes
+    (the update survives being folded into half-precision weights), and afterwards the fp32 LoRA
+    path is back exactly."""
+    base = logits(tiny_llama)
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    adapted = logits(tiny_llama)
+    layers = [m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear)]
+    with lora.lora_merged(tiny_llama, torch.bfloat16):
+        assert all(m.merged.dtype == torch.bfloat16 for m in layers)
+        half = logits(tiny_llama)
+    assert half.dtype == torch.float32
+    rounding, update = (half - adapted).abs().max(), (adapted - base).abs().max()
+    assert 0 < rounding < 0.1 * update, (rounding, update)
+    assert all(m.merged is None for m in layers) and torch.equal(logits(tiny_llama), adapted)
+
+
 def test_adapter_save_load_roundtrip_is_exact(tmp_path, tiny_model_factory):
     """Saving and loading into a fresh model gives bit-identical outputs."""
     model = tiny_model_factory("qwen2")

@@ -231,11 +231,14 @@ def test_forked_raises_what_a_child_raised_and_says_when_one_died():
         parallel.forked(lambda share: os._exit(3), [1, 2], 2)
 
 
-def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenizer, forks, tmp_path, monkeypatch):
+@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
+def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits, smol_tokenizer, forks, tmp_path,
+                                                           monkeypatch):
     """train.py --eval-processes 2: the same episodes, in task order, as in the run's own process,
     and the forks really ran. Both at one thread; the shares' batches are narrower, so greedy
     choices could only differ on a near-tie of logits, which these 5 tasks do not have. The forks
-    find the LoRA merged: they share the parent's merged weights instead of building their own."""
+    find the LoRA merged: they share the parent's merged weights instead of building their own,
+    in bf16 too (--eval-dtype bf16)."""
     from conftest import build_tiny_model
     import agentrl
     model, tasks = build_tiny_model("llama"), splits["test"][:5]
@@ -244,6 +247,7 @@ def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenize
 
     def merged_before(*args, **kwargs):
         assert os.getpid() == parent or all(m.merged is not None for m in layers), "a fork merged the LoRA itself"
+        assert all(m.merged.dtype == (weight_dtype or torch.float32) for m in layers if m.merged is not None)
         return rollout_groups(*args, **kwargs)
     parent = os.getpid()
     monkeypatch.setattr(agentrl, "rollout_groups", merged_before)
@@ -251,8 +255,10 @@ def test_evaluation_in_forked_processes_equals_one_process(splits, smol_tokenize
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "one.jsonl"), draft=2)
-        two = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "two.jsonl"), draft=2, processes=2)
+        one = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "one.jsonl"), draft=2,
+                             weight_dtype=weight_dtype)
+        two = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "two.jsonl"), draft=2, processes=2,
+                             weight_dtype=weight_dtype)
     finally:
         torch.set_num_threads(threads)
     assert forks == [2] and one == two

@@ -499,6 +499,22 @@ def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_
     assert "the largest of the 2 evaluation processes forked at once" in memory, memory
 
 
+def test_eval_dtype_reaches_the_evaluations_and_only_them(tiny_model_dir, tmp_path, monkeypatch):
+    """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (agentrl.Sampling),
+    the warm start's and GRPO's rollouts do not; the default keeps fp32."""
+    import agentrl
+    seen, rollout_groups = [], agentrl.rollout_groups
+
+    def recording(model, tokenizer, tasks, n, sampling, *args, **kwargs):
+        seen.append((sampling.greedy, sampling.weight_dtype))
+        return rollout_groups(model, tokenizer, tasks, n, sampling, *args, **kwargs)
+    monkeypatch.setattr(agentrl, "rollout_groups", recording)
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-dtype", "bf16"))
+    assert {dtype for greedy, dtype in seen if greedy} == {torch.bfloat16}
+    assert {dtype for greedy, dtype in seen if not greedy} == {None}
+    assert train.eval_options(train.parse_args([]))["weight_dtype"] == torch.float32
+
+
 def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     """--eval-split names either held-out split (or both); the first one's metrics are the eval_*
     keys, and the printout has one line per split. Both splits draw the same question positions."""
