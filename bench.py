@@ -636,8 +636,10 @@ def bench_eval(args):
     guessed and checked in each forward (Sampling.draft), with our attention and with transformers'
     (which copies keys and values per query head for several query tokens), and in two processes of
     one thread each (train.py --eval-processes 2); those two again with the merged layers and the
-    lm_head in bf16 (train.py --eval-dtype bf16), where "same outcome" counts what the rounding
-    changed. Each variant in a fresh process, with glibc's
+    lm_head in bf16 (train.py --eval-dtype bf16). "same outcome" counts the tasks each variant gets
+    right or wrong as the first does, "same episode" those where it wrote every token the same: a
+    near-tie of logits decided the other way (bf16 rounding) changes the second, and maybe the first.
+    Each variant in a fresh process, with glibc's
     malloc as train.py runs it: its time, its peak resident memory (the whole process: model,
     adapter, caches, and the freed memory malloc keeps; with forked processes, this one's peak and
     what each forked one added to the pages it started with), the engine's counters, and
@@ -645,7 +647,7 @@ def bench_eval(args):
     the floor of its forwards' work (bench.py rollout's floor, this machine's rates measured after
     the variants ran), and the flushes' forwards (prompts and tool messages, many tokens a row)
     apart from the decode forwards (a token and its drafts a row). A bf16 variant is held to the
-    same floor, fp32's: by how much it goes under that floor's multiple is what half precision buys.
+    same floor as the others, fp32's work at fp32 rates.
     """
     variant = os.environ.get(CHILD_VARIANT)
     if variant is None:
@@ -657,12 +659,13 @@ def bench_eval(args):
               f"{base['limits']} | {base['device']}")
         width = max(map(len, results)) + 2
         print(f"{'variant':<{width}}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
-              f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'drafts taken':>14}")
+              f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'same episode':>14}{'drafts taken':>14}")
         for v, r in results.items():
             same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
+            same_episodes = sum(a == b for a, b in zip(r["episodes"], base["episodes"]))   # every token the same
             print(f"{v:<{width}}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
                   f"{r['logit_rows'] / r['forwards']:>14.1f}{r['forwards']:>10}{r['peak_gib']:>9.2f} GiB"
-                  f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}"
+                  f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}{same_episodes:>9}/{r['tasks']}"
                   f"{r['accepted_drafts']:>7}/{r['drafted_tokens']}")
         bandwidth, flops = machine_rates()
         print(f"where the time goes, against the floor (this machine now, {torch.get_num_threads()} threads: {bandwidth / 1e9:.1f} GB/s, "
@@ -700,10 +703,11 @@ def bench_eval(args):
     tasks = tasks[:args.tasks] if args.tasks else tasks
     greedy = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0, weight_dtype=weight_dtype)
 
-    def episodes(share, max_rows):       # outcomes, engine counters, how far this process's peak rose above its start
+    def episodes(share, max_rows):   # outcomes, engine counters, this process's peak above its start, each episode's tokens
         start, stats = resident_bytes("VmRSS"), {}
         groups = agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, stats=stats, max_rows=max_rows)
-        return "".join("1" if g.trajectories[0].correct else "0" for g in groups), stats, resident_bytes("VmHWM") - start
+        return ("".join("1" if g.trajectories[0].correct else "0" for g in groups), stats, resident_bytes("VmHWM") - start,
+                [g.trajectories[0].token_ids for g in groups])
     t0 = time.perf_counter()
     if mode == "batches":
         shares = [episodes(tasks[i:i + rows], None) for i in range(0, len(tasks), rows)]
@@ -718,6 +722,7 @@ def bench_eval(args):
     peak = resident_bytes("VmHWM") + (sum(share[2] for share in shares) if processes > 1 else 0)
     print(json.dumps({"seconds": seconds, "tasks": len(tasks), "peak_gib": peak / 2**30, "processes": processes,
                       "outcomes": "".join(share[0] for share in shares),
+                      "episodes": [hash(tuple(tokens)) for share in shares for tokens in share[3]],   # ints hash alike in any process
                       "work": forward_work(model, stats), "flush_work": forward_work(model, stats, "flush_"),
                       **{k: stats[k] for k in ("forwards", "logit_rows", "drafted_tokens", "accepted_drafts", "forward_s",
                                                "total_s", "fed_tokens", "flush_forward_s", "flush_forwards", "flush_fed_tokens")},

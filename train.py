@@ -473,9 +473,11 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
     if processes > 1 and model.device.type == "cpu":
         was_training = model.training
         model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
-        with lora.lora_merged(model, weight_dtype or torch.float32):
-            trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
-        model.train(was_training)
+        try:
+            with lora.lora_merged(model, weight_dtype or torch.float32):
+                trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
+        finally:                # a child that died leaves the model as it found it
+            model.train(was_training)
     else:
         trajectories = episodes(mine)
     trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order

@@ -231,6 +231,20 @@ def test_forked_raises_what_a_child_raised_and_says_when_one_died():
         parallel.forked(lambda share: os._exit(3), [1, 2], 2)
 
 
+def test_a_forked_evaluation_that_dies_leaves_the_model_as_it_was(splits, smol_tokenizer, monkeypatch):
+    """A child killed mid-evaluation (out of memory, say) is an error naming it, and the model the
+    run goes on with is unmerged and back in train mode."""
+    from conftest import build_tiny_model
+    import agentrl
+    model = build_tiny_model("llama")
+    layers = lora.apply_lora(model, r=4, alpha=8) and [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
+    monkeypatch.setattr(agentrl, "rollout_groups", lambda *args, **kwargs: os._exit(3))
+    model.train()
+    with pytest.raises(RuntimeError, match="died without a result"):
+        train.evaluate(model, smol_tokenizer, splits["test"][:2], agentrl.Limits(), processes=2)
+    assert model.training and all(m.merged is None for m in layers)
+
+
 @pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
 def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits, smol_tokenizer, forks, tmp_path,
                                                            monkeypatch):
