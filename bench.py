@@ -619,7 +619,8 @@ def bench_update(args):
 # name: (how tasks are batched, rows at a time, drafts (--draft) or not, the attention: None is
 # lora.ATTENTION, what train.py runs; "sdpa" is transformers' own, which repeats keys and values for
 # drafts; processes: forked, one thread each, each with a contiguous share of the tasks and its own
-# 16 rows, as train.py --eval-processes runs them)
+# 16 rows, as train.py --eval-processes runs them; the weights' precision, Sampling.weight_dtype: None
+# is fp32, bfloat16 is train.py --eval-dtype bf16)
 EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None, 1, None), "continuous-32": ("continuous", 32, False, None, 1, None),
                  "continuous-16": ("continuous", 16, False, None, 1, None), "drafts-16": ("continuous", 16, True, None, 1, None),
                  "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa", 1, None),

@@ -296,10 +296,10 @@ class lora_merged:
 
     dtype: the folded weights' precision. torch.bfloat16 halves the bytes a decode step reads, and a
     CPU with bf16 matrix instructions multiplies them faster too (README, "Evaluation in bf16"),
-    but the logits move by about 1e-2 (and a small update rounds with its weight): a greedy
-    evaluation may take it (train.py --eval-dtype; bench.py eval counts the outcomes it changes),
-    the log-probs PPO's ratio is taken against may not, so rollouts stay fp32
-    (agentrl.Sampling.weight_dtype)."""
+    but bf16 keeps about three significant digits, so the logits move (and a small update rounds
+    with its weight): a greedy evaluation may take that (train.py --eval-dtype; bench.py eval counts
+    the episodes and outcomes it changes), the log-probs PPO's ratio is taken against may not, so
+    rollouts stay fp32 (agentrl.Sampling.weight_dtype)."""
 
     def __init__(self, model, dtype=torch.float32):
         self.model, self.dtype = model, dtype

@@ -54,16 +54,20 @@ def test_lora_disabled_is_the_base_model(tiny_llama):
     assert torch.equal(logits(tiny_llama), adapted) and not torch.allclose(adapted, base)
 
 
+def _adapted(model):
+    """LoRA on the model with perturbed A and B: its logits before and after, and its LoRA layers."""
+    base = logits(model)
+    lora.apply_lora(model, r=4, alpha=8)
+    _perturb(model)
+    return base, logits(model), [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
+
+
 def test_lora_merged_is_the_adapted_model_and_lets_go(tiny_llama):
     """Inside lora_merged each layer runs one folded fp32 weight and computes what the LoRA forward
     does (to rounding); lora_disabled still gives the base inside it; a nested lora_merged keeps
     the outer one's weights and leaves them merged; after the outer one, the LoRA path and no
     weight copy are back."""
-    base = logits(tiny_llama)
-    lora.apply_lora(tiny_llama, r=4, alpha=8)
-    _perturb(tiny_llama)
-    adapted = logits(tiny_llama)
-    layers = [m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear)]
+    base, adapted, layers = _adapted(tiny_llama)
     with lora.lora_merged(tiny_llama):
         assert all(m.merged is not None for m in layers)
         torch.testing.assert_close(logits(tiny_llama), adapted, rtol=0, atol=1e-4)
@@ -83,11 +87,7 @@ def test_lora_merged_in_bf16_keeps_the_update_and_lets_go(tiny_llama):
     rounding of the adapted model's, that rounding is far smaller than what the adapter changes
     (the update survives being folded into half-precision weights), and afterwards the fp32 LoRA
     path is back exactly."""
-    base = logits(tiny_llama)
-    lora.apply_lora(tiny_llama, r=4, alpha=8)
-    _perturb(tiny_llama)
-    adapted = logits(tiny_llama)
-    layers = [m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear)]
+    base, adapted, layers = _adapted(tiny_llama)
     with lora.lora_merged(tiny_llama, torch.bfloat16):
         assert all(m.merged.dtype == torch.bfloat16 for m in layers)
         half = logits(tiny_llama)
