@@ -307,7 +307,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0, packed_columns=0, drafted_tokens=0,
                     accepted_drafts=0)
 
-    with lora.lora_merged(model, sampling.weight_dtype or torch.float32):   # one weight a layer (lora.py says why)
+    with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py says why)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
         rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)

@@ -713,7 +713,7 @@ def bench_eval(args):
     if mode == "batches":
         shares = [episodes(tasks[i:i + rows], None) for i in range(0, len(tasks), rows)]
     elif processes > 1:
-        with lora.lora_merged(model, weight_dtype or torch.float32):     # merged once, shared, as train.evaluate does
+        with lora.lora_merged(model, weight_dtype):     # merged once, shared, as train.evaluate does
             shares = parallel.forked(lambda share: episodes(share, rows), tasks, processes)
     else:
         shares = [episodes(tasks, rows)]
@@ -945,11 +945,12 @@ def bench_learn(args):
     p. The GRPO arm runs --grpo-seeds times (default 2; seeds --seed, --seed + 1, ...): each run
     gets its row, and with several runs their mean is paired with the start, RFT and the control
     (each task's outcome averaged over the runs), with the spread of the runs' own differences
-    beside it: what a seed alone moves. The control gets the GRPO runs' mean time. The start's pass@k at temperature 1 on --pass-tasks test tasks is the
-    headroom: greedy accuracy RL could reach by making the policy pick, every time, what it already
-    sometimes finds. A finished SFT start in runs/bench_learn/sft with the same settings is reused,
-    and so is every arm that finished with the same flags (a benchmark stopped part way, or run
-    again with more --grpo-seeds, runs only what is missing).
+    beside it: what a seed alone moves. The control gets the GRPO runs' mean time. The start's
+    pass@k at temperature 1 on --pass-tasks test tasks is the headroom: greedy accuracy RL could
+    reach by making the policy pick, every time, what it already sometimes finds. A finished SFT
+    start in runs/bench_learn/sft with the same settings is reused, and so is every arm that
+    finished with the same flags (a benchmark stopped part way, or run again with more
+    --grpo-seeds, runs only what is missing).
     """
     import matplotlib
     matplotlib.use("Agg")

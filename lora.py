@@ -294,15 +294,15 @@ class lora_merged:
     layers an outer one merged as they are: merge once before forking (parallel.forked), and the
     children share those weights instead of each building its own.
 
-    dtype: the folded weights' precision. torch.bfloat16 halves the bytes a decode step reads, and a
+    dtype: the folded weights' precision (None: fp32). torch.bfloat16 halves the bytes a decode step reads, and a
     CPU with bf16 matrix instructions multiplies them faster too (README, "Evaluation in bf16"),
     but bf16 keeps about three significant digits, so the logits move (and a small update rounds
     with its weight): a greedy evaluation may take that (train.py --eval-dtype; bench.py eval counts
     the episodes and outcomes it changes), the log-probs PPO's ratio is taken against may not, so
     rollouts stay fp32 (agentrl.Sampling.weight_dtype)."""
 
-    def __init__(self, model, dtype=torch.float32):
-        self.model, self.dtype = model, dtype
+    def __init__(self, model, dtype=None):
+        self.model, self.dtype = model, dtype or torch.float32
 
     @torch.no_grad()
     def __enter__(self):

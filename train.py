@@ -474,7 +474,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
         was_training = model.training
         model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
         try:
-            with lora.lora_merged(model, weight_dtype or torch.float32):
+            with lora.lora_merged(model, weight_dtype):
                 trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
         finally:                # a child that died leaves the model as it found it
             model.train(was_training)
