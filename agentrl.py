@@ -160,8 +160,9 @@ class Sampling:
     draft: int = 0             # prompt-lookup draft tokens a row checks per forward (0: one token a forward);
                                #   the tokens keep their distribution (greedy: the same tokens), see _draft
     weight_dtype: torch.dtype | None = None   # the merged layers' and the lm_head's weights while generating
-                               #   (None: fp32 merged, the head as the model holds it); torch.bfloat16
-                               #   only with greedy (lora.lora_merged says why)
+                               #   (None: fp32 merged, the head as the model holds it); torch.bfloat16 reads
+                               #   half the bytes, and a sampled rollout then records that policy's log-probs
+                               #   (lora.lora_merged; grpo.py: the update's ratio corrects for it)
 
 
 @dataclass
@@ -296,9 +297,6 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         fed (bench.py rollout's baseline)."""
     if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
         return []
-    if sampling.weight_dtype not in (None, torch.float32) and not sampling.greedy:
-        raise ValueError(f"weights in {sampling.weight_dtype} are for greedy evaluation: sampled rollouts record "
-                         f"log-probs for the update's ratio, which need fp32 (lora.lora_merged)")
     t_start, was_training = time.perf_counter(), model.training
     model.eval()
     generator = torch.Generator(device=model.device).manual_seed(sampling.seed)

@@ -967,8 +967,12 @@ def bench_learn(args):
     # user's comes later and wins): the whole-split evaluations are most of the benchmark's time; two one-thread
     # processes ran all 247 test questions 1.39x as fast as one of two threads (0.99x on 48 another day), and bf16
     # weights 1.58x as fast again, with the same 247 outcomes (README, Benchmarks)
-    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
-              "--eval-dtype", "bf16", *args.train_flags]
+    ours = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
+            "--eval-dtype", "bf16"]
+    common = ours + args.train_flags
+    # the RL arms sample with bf16 weights (train.py --rollout-dtype): rollouts 1.28x as fast, the update's first
+    # ratio a KL of 5e-5 a token from the sampler, no token clipped (README, Benchmarks: bench.py scale)
+    rl_common = ours + ["--rollout-dtype", "bf16"] + args.train_flags
 
     def records(arm):
         return run_records(os.path.join(out, arm))
@@ -989,7 +993,7 @@ def bench_learn(args):
     arm_flags = {**{name: ["--steps", str(args.grpo_steps), "--seed", str(s)] for name, s in zip(grpo_names, seeds)},
                  rft_name: ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
     for name, flags in arm_flags.items():
-        train_unless_finished(common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
+        train_unless_finished(rl_common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
     rl_steps = {name: [r for r in records(folders[name]) if "reward_mean" in r] for name in arm_flags}   # GRPO runs, RFT
     grpo_runs = {name: rl_steps[name] for name in grpo_names}
     grpo_s = sum(sum(r["time_step"] for r in steps) for steps in grpo_runs.values()) / len(grpo_runs)   # a run's mean
@@ -1150,7 +1154,8 @@ def scripted_rewards(groups, *args, **kwargs):
 
 
 SCALE_VARIANTS = {   # name: (processes torchrun starts, train.py flags)
-    "1-process": (1, []), "torchrun-2": (2, []), "no-group-segments": (1, ["--no-group-segments"])}
+    "1-process": (1, []), "torchrun-2": (2, []), "no-group-segments": (1, ["--no-group-segments"]),
+    "bf16-rollouts": (1, ["--rollout-dtype", "bf16"])}
 
 
 def bench_scale(args):
@@ -1182,17 +1187,21 @@ def bench_scale(args):
         tokens = sum(r["gen_tokens"] for r in steps) / len(steps)
         rows.append({"name": name, "steps_per_min": 60 / step_s, "step_s": step_s, "rollout_s": rollout_s,
                      "rest_s": step_s - rollout_s, "tok_s": tokens / rollout_s, "whole_s": whole,
-                     "applied": sum(not r["skipped"] for r in steps)})
+                     "applied": sum(not r["skipped"] for r in steps),
+                     # the update's first ratio against the sampler: 0 when both compute alike (fp32), else the gap
+                     "kl_old": mean_or_nan([r["kl_old"] for r in steps if not r["skipped"]]),
+                     "clipped": mean_or_nan([r["clip_frac_low"] + r["clip_frac_high"] for r in steps if not r["skipped"]])})
     threads = os.environ.get("OMP_NUM_THREADS")
     print(f"\nscale: train.py, {len(steps)} steps (embedded model, scripted rewards for "
           f"{args.trained_groups or 'every'} group(s) a step), flags: {' '.join(flags)}; "
           f"{os.cpu_count()} CPU cores; threads per process: "
           + (threads if threads else "torch's default in one process, 1 in each of torchrun's"))
     print(f"{'variant':>18} {'steps/min':>10} {'step s':>7} {'rollout s':>10} {'gen tok/s':>10} {'rest s':>7} "
-          f"{'updates':>8} {'run s':>6}")
+          f"{'updates':>8} {'kl_old':>9} {'clipped':>8} {'run s':>6}")
     for r in rows:
         print(f"{r['name']:>18} {r['steps_per_min']:>10.2f} {r['step_s']:>7.1f} {r['rollout_s']:>10.1f} "
-              f"{r['tok_s']:>10.1f} {r['rest_s']:>7.1f} {r['applied']:>8} {r['whole_s']:>6.0f}")
+              f"{r['tok_s']:>10.1f} {r['rest_s']:>7.1f} {r['applied']:>8} {r['kl_old']:>9.2e} {r['clipped']:>8.4f} "
+              f"{r['whole_s']:>6.0f}")
     one = rows[0]
     for r in rows[1:]:
         print(f"{r['name']} / {one['name']}: {r['steps_per_min'] / one['steps_per_min']:.2f}x steps per minute | rollout "

@@ -28,6 +28,9 @@ Simplifications, and why they are safe:
   nothing to do; grpo_update takes several steps on the same rollouts (epochs, minibatches), and
   from the second on the policy has moved, the ratio leaves 1, and the clip keeps each step near
   the policy that sampled (the stats report how often it acted, and the KL to that policy).
+  Rollouts sampled with bf16 weights (train.py --rollout-dtype bf16) record the bf16 policy's
+  log-probs: the first step's ratio is then pi_fp32 / pi_bf16, the importance weight for having
+  sampled from a policy a rounding away from the one trained, and its kl_old measures that gap.
 - The KL reference is a context manager the caller passes, under which the model is the
   reference: train.py swaps in the adapter RL started from (lora.lora_weights), or the LoRA can
   be switched off for the base model (lora.lora_disabled); no second model in memory.

@@ -298,8 +298,9 @@ class lora_merged:
     CPU with bf16 matrix instructions multiplies them faster too (README, "Evaluation in bf16"),
     but bf16 keeps about three significant digits, so the logits move (and a small update rounds
     with its weight): a greedy evaluation may take that (train.py --eval-dtype; bench.py eval counts
-    the episodes and outcomes it changes), the log-probs PPO's ratio is taken against may not, so
-    rollouts stay fp32 (agentrl.Sampling.weight_dtype)."""
+    the episodes and outcomes it changes); rollouts sampled this way (train.py --rollout-dtype) come
+    from a slightly different policy than the fp32 one the update trains, and record its log-probs,
+    so PPO's ratio weighs each token by how much likelier the trained policy finds it (grpo.py)."""
 
     def __init__(self, model, dtype=None):
         self.model, self.dtype = model, dtype or torch.float32

@@ -68,7 +68,7 @@ from files import atomic_folder, atomic_path, write_text_atomic
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
 DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts")
 EVAL_PROCESSES_DEFAULT = 1      # --eval-processes
-EVAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype
+EVAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype, --rollout-dtype
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -117,6 +117,11 @@ def parse_args(argv=None):
                    help="tokens a row guesses ahead from its own context and checks in the same forward, in rollouts "
                         "and evaluations (prompt lookup: the same distribution, greedy the same tokens; agentrl.Sampling.draft); "
                         "0: one token a forward")
+    g.add_argument("--rollout-dtype", choices=sorted(EVAL_DTYPES), default="fp32",
+                   help="on a CPU, the weights' precision while sampling rollouts: bf16 reads half the bytes; the "
+                        "log-probs recorded are then the bf16 policy's, and the update's ratio, the fp32 policy's "
+                        "over them, corrects for having sampled from it (grpo.py; kl_old at the first step is the "
+                        "gap). Ignored on a GPU, where the model already runs in half precision")
     g.add_argument("--frontier-share", type=float, default=0.75,
                    help="share of a step's tasks drawn from the frontier (train tasks whose last group was mixed); "
                         "the rest explore by tier. 0: tier sampling alone")
@@ -706,6 +711,7 @@ def run_process(args, device):
     if start_state:     # through share_state on the CPU: back onto this process's device
         start_state = [t.to(device) for t in start_state]
     world, rank = parallel.world_size(), parallel.rank()
+    rollout_dtype = EVAL_DTYPES[args.rollout_dtype] if device.type == "cpu" else None   # a GPU: half precision already
     if world > 1 and (args.update != "grpo" or args.epochs * args.minibatches > 1):
         raise SystemExit("under torchrun, --update grpo with --epochs 1 --minibatches 1 only (so far)")
     if world > 1 and args.sample_rounds > 1:     # each process would stop after its own rounds, on its own tasks
@@ -728,7 +734,7 @@ def run_process(args, device):
             tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, args.groups_per_step, random.Random(round_seed),
                                                 args.frontier_share, exclude={g.task.id for g in groups}))
             sampling = agentrl.Sampling(temperature=temperature, top_p=args.top_p, seed=round_seed * world + rank,
-                                        draft=args.draft_tokens)
+                                        draft=args.draft_tokens, weight_dtype=rollout_dtype)
             groups += agentrl.rollout_groups(model, tokenizer, tasks, args.group_size, sampling, limits)
             if sum(0 < pass_rate(g) < 1 for g in groups) >= args.groups_per_step:
                 break

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import pytest
 import torch
+import torch.nn.functional as F
 
 import agentrl
 import lora
@@ -249,29 +250,44 @@ def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer, max_ro
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
 
 
-def test_weights_in_bf16_are_for_greedy_evaluation_only(tiny_llama, smol_tokenizer):
-    """Sampling.weight_dtype=torch.bfloat16: every merged layer computes with a bf16 weight while
-    rows decode, and so does a bf16 copy of the lm_head, so the recorded log-probs sit within bf16
-    rounding of a fresh fp32 forward, and not on it as fp32 generation does; the model is fp32 and
-    unmerged again after. Sampled rollouts, whose log-probs the update's ratio reads, refuse it."""
+def bf16_forward_logprobs(model, token_ids):
+    """full_forward_logprobs of the policy the engine decodes with under Sampling.weight_dtype=bf16:
+    the LoRA layers merged into bf16 weights (lora_merged), the lm_head's weight in bf16."""
+    ids = torch.tensor([token_ids])
+    with torch.no_grad(), lora.lora_merged(model, torch.bfloat16):
+        hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+        logp = torch.log_softmax(F.linear(hidden.bfloat16(), model.lm_head.weight.bfloat16()).float(), dim=-1)
+    out = torch.zeros(len(token_ids))
+    out[1:] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
+    return out
+
+
+@pytest.mark.parametrize("greedy", [True, False])
+def test_weights_in_bf16_record_the_bf16_policys_logprobs(greedy, tiny_llama, smol_tokenizer):
+    """Sampling.weight_dtype=torch.bfloat16 (greedy evaluation, or sampled rollouts): every merged
+    layer computes with a bf16 weight while rows decode, and so does a bf16 copy of the lm_head. The
+    recorded log-probs are that policy's (a fresh forward through the same bf16 weights), off the
+    fp32 policy's by bf16 rounding (the gap GRPO's first ratio then corrects for); the model is fp32
+    and unmerged again after."""
     lora.apply_lora(tiny_llama, r=4, alpha=8)
     layers = [m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear)]
     merged = []
     hooks = [m.register_forward_pre_hook(lambda module, inputs: merged.append(module.merged.dtype)) for m in layers]
     try:
-        half = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True, weight_dtype=torch.bfloat16))
+        half = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=greedy, weight_dtype=torch.bfloat16))
     finally:
         for hook in hooks:
             hook.remove()
     assert merged and set(merged) == {torch.bfloat16}
     assert all(m.merged is None for m in layers) and tiny_llama.lm_head.weight.dtype == torch.float32
-    gaps = []
+    to_fp32, to_bf16 = [], []
     for t in [t for g in half for t in g.trajectories]:
-        fresh = full_forward_logprobs(tiny_llama, t.token_ids) * torch.tensor(t.assistant_mask)
-        gaps.append((torch.tensor(t.sampled_logprobs) - fresh).abs().max())
-    assert 1e-3 < max(gaps) < 0.5, gaps      # this random model's logits are large; fp32 is within 1e-4
-    with pytest.raises(ValueError, match="greedy evaluation"):
-        rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(weight_dtype=torch.bfloat16))
+        mask = torch.tensor(t.assistant_mask)
+        recorded = torch.tensor(t.sampled_logprobs)
+        to_fp32.append((recorded - full_forward_logprobs(tiny_llama, t.token_ids) * mask).abs().max())
+        to_bf16.append((recorded - bf16_forward_logprobs(tiny_llama, t.token_ids) * mask).abs().max())
+    assert 1e-3 < max(to_fp32) < 0.5, to_fp32      # this random model's logits are large; fp32 is within 1e-4
+    assert max(to_bf16) < max(to_fp32) / 10, (to_bf16, to_fp32)
 
 
 def test_draft_proposes_what_followed_the_latest_earlier_ngram():

@@ -227,24 +227,28 @@ def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir,
 
 
 def test_scale_bench_times_runs_with_and_without_group_segments(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench.py scale end to end on the tiny model, two of its variants: each a fresh train.py run
+    """bench.py scale end to end on the tiny model, three of its variants: each a fresh train.py run
     with its own flags, every step updated from the one group of two the scripted rewards train
-    (--trained-groups 1), each row with its times, then the ratio line against the first."""
+    (--trained-groups 1), each row with its times and the update's distance from the sampler (none
+    when both compute in fp32, some with bf16 rollouts), then the ratio lines against the first."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["bench.py", "scale", "--variants", "no-group-segments,1-process", "--model",
-                                     tiny_model_dir, "--steps", "2", "--max-new-tokens", "8", "--no-start-eval",
-                                     "--trained-groups", "1"])
+    monkeypatch.setattr("sys.argv", ["bench.py", "scale", "--variants", "no-group-segments,1-process,bf16-rollouts",
+                                     "--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "8",
+                                     "--no-start-eval", "--trained-groups", "1"])
     bench.main()
     out = capsys.readouterr().out
-    rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +\d+$", out, re.M)
-    assert [name for name, *_ in rows] == ["no-group-segments", "1-process"], out
-    assert all(float(per_minute) > 0 and updates == "2" for _, per_minute, *_, updates in rows), out
+    rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +([\d.e+-]+) +([\d.]+) +\d+$",
+                      out, re.M)
+    assert [name for name, *_ in rows] == ["no-group-segments", "1-process", "bf16-rollouts"], out
+    assert all(float(per_minute) > 0 and updates == "2" for _, per_minute, *_, updates, _, _ in rows), out
+    assert [float(kl_old) < 1e-6 for *_, kl_old, _ in rows] == [True, True, False], out
     configs = [json.load(open(os.path.join("runs", "bench_scale", name, "config.json"))) for name, *_ in rows]
-    assert [c["group_segments"] for c in configs] == [False, True]
+    assert [(c["group_segments"], c["rollout_dtype"]) for c in configs] == [(False, "fp32"), (True, "fp32"), (True, "bf16")]
     steps = [json.loads(line) for name, *_ in rows for line in open(os.path.join("runs", "bench_scale", name, "metrics.jsonl"))
              if "reward_mean" in line]
-    assert [(r["trainable_groups"], r["submitted_groups"]) for r in steps] == [(1, 2)] * 4
-    assert re.search(r"1-process / no-group-segments: [\d.]+x steps per minute \| rollout [\d.]+x faster", out), out
+    assert [(r["trainable_groups"], r["submitted_groups"]) for r in steps] == [(1, 2)] * 6
+    for name in ("1-process", "bf16-rollouts"):
+        assert re.search(rf"{name} / no-group-segments: [\d.]+x steps per minute \| rollout [\d.]+x faster", out), out
 
 
 def assert_a_rerun_trains_nothing(out, start, end, monkeypatch, capsys):
@@ -277,6 +281,8 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
     assert configs["control"]["adapter"] == start and configs["control"]["steps"] == 0
     assert all(c["eval_processes"] == 2 and c["eval_dtype"] == "bf16" for c in configs.values())   # forked, bf16
+    assert {arm: c["rollout_dtype"] for arm, c in configs.items()} == dict(sft="fp32", grpo="bf16", grpo_seed1="bf16",
+                                                                          rft="bf16", control="fp32")
 
     def seconds(arm, key):
         return [r["time_step"] for r in map(json.loads, open(os.path.join(folder, arm, "metrics.jsonl"))) if key in r]

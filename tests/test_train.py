@@ -499,9 +499,13 @@ def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_
     assert "the largest of the 2 evaluation processes forked at once" in memory, memory
 
 
-def test_eval_dtype_reaches_the_evaluations_and_only_them(tiny_model_dir, tmp_path, monkeypatch):
+@pytest.mark.parametrize("flag, greedy_dtype, sampled_dtype", [
+    ("--eval-dtype", torch.bfloat16, torch.float32), ("--rollout-dtype", torch.float32, torch.bfloat16)])
+def test_eval_and_rollout_dtypes_reach_their_own_episodes(flag, greedy_dtype, sampled_dtype, tiny_model_dir,
+                                                            tmp_path, monkeypatch):
     """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (agentrl.Sampling),
-    the warm start's and GRPO's rollouts do not; the default keeps fp32."""
+    GRPO's rollouts do not; --rollout-dtype bf16: GRPO's sampled rollouts do, the evaluations keep
+    fp32. The defaults keep fp32 both ways."""
     import agentrl
     seen, rollout_groups = [], agentrl.rollout_groups
 
@@ -509,10 +513,11 @@ def test_eval_dtype_reaches_the_evaluations_and_only_them(tiny_model_dir, tmp_pa
         seen.append((sampling.greedy, sampling.weight_dtype))
         return rollout_groups(model, tokenizer, tasks, n, sampling, *args, **kwargs)
     monkeypatch.setattr(agentrl, "rollout_groups", recording)
-    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-dtype", "bf16"))
-    assert {dtype for greedy, dtype in seen if greedy} == {torch.bfloat16}
-    assert {dtype for greedy, dtype in seen if not greedy} == {None}
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", flag, "bf16"))
+    assert {dtype for greedy, dtype in seen if greedy} == {greedy_dtype}
+    assert {dtype for greedy, dtype in seen if not greedy} == {sampled_dtype}
     assert train.eval_options(train.parse_args([]))["weight_dtype"] == torch.float32
+    assert train.parse_args([]).rollout_dtype == "fp32"
 
 
 def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
