@@ -915,12 +915,15 @@ def record_mean(key, records):
 def train_unless_finished(argv):
     """train.py with these arguments, unless a run of exactly these arguments completed in its --out
     from the adapter it starts from as that adapter is now (then it is reused: a benchmark stopped
-    part way, or run again, trains only what is missing, and what a retrained start changes)."""
+    part way, or run again, trains only what is missing, and what a retrained start changes). A
+    flag newer than the run, at its default, matches: a new flag's default keeps the old behaviour."""
     import train
     wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
+    defaults = json.loads(json.dumps(vars(train.parse_args([]))))
     try:
         config = json.load(open(os.path.join(wanted["out"], "config.json")))
-    except (OSError, ValueError):
+        config = {**{k: v for k, v in defaults.items() if k not in config}, **config}
+    except (OSError, ValueError, TypeError):
         config = None
     final = os.path.join(wanted["out"], "final", "adapter_model.safetensors")
     start = wanted["adapter"] and os.path.join(wanted["adapter"], "adapter_model.safetensors")
@@ -967,12 +970,8 @@ def bench_learn(args):
     # user's comes later and wins): the whole-split evaluations are most of the benchmark's time; two one-thread
     # processes ran all 247 test questions 1.39x as fast as one of two threads (0.99x on 48 another day), and bf16
     # weights 1.58x as fast again, with the same 247 outcomes (README, Benchmarks)
-    ours = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
-            "--eval-dtype", "bf16"]
-    common = ours + args.train_flags
-    # the RL arms sample with bf16 weights (train.py --rollout-dtype): rollouts 1.28x as fast, the update's first
-    # ratio a KL of 5e-5 a token from the sampler, no token clipped (README, Benchmarks: bench.py scale)
-    rl_common = ours + ["--rollout-dtype", "bf16"] + args.train_flags
+    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
+              "--eval-dtype", "bf16", *args.train_flags]
 
     def records(arm):
         return run_records(os.path.join(out, arm))
@@ -993,7 +992,7 @@ def bench_learn(args):
     arm_flags = {**{name: ["--steps", str(args.grpo_steps), "--seed", str(s)] for name, s in zip(grpo_names, seeds)},
                  rft_name: ["--steps", str(args.grpo_steps), "--seed", str(args.seed), "--update", "rft"]}
     for name, flags in arm_flags.items():
-        train_unless_finished(rl_common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
+        train_unless_finished(common + ["--adapter", start, "--sft-steps", "0", "--out", os.path.join(out, folders[name]), *flags])
     rl_steps = {name: [r for r in records(folders[name]) if "reward_mean" in r] for name in arm_flags}   # GRPO runs, RFT
     grpo_runs = {name: rl_steps[name] for name in grpo_names}
     grpo_s = sum(sum(r["time_step"] for r in steps) for steps in grpo_runs.values()) / len(grpo_runs)   # a run's mean

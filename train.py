@@ -68,7 +68,7 @@ from files import atomic_folder, atomic_path, write_text_atomic
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
 DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts")
 EVAL_PROCESSES_DEFAULT = 1      # --eval-processes
-EVAL_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype, --rollout-dtype
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype, --rollout-dtype
 
 
 # ----------------------------------------------------------------------------- arguments
@@ -117,7 +117,7 @@ def parse_args(argv=None):
                    help="tokens a row guesses ahead from its own context and checks in the same forward, in rollouts "
                         "and evaluations (prompt lookup: the same distribution, greedy the same tokens; agentrl.Sampling.draft); "
                         "0: one token a forward")
-    g.add_argument("--rollout-dtype", choices=sorted(EVAL_DTYPES), default="fp32",
+    g.add_argument("--rollout-dtype", choices=sorted(WEIGHT_DTYPES), default="fp32",
                    help="on a CPU, the weights' precision while sampling rollouts: bf16 reads half the bytes; the "
                         "log-probs recorded are then the bf16 policy's, and the update's ratio, the fp32 policy's "
                         "over them, corrects for having sampled from it (grpo.py; kl_old at the first step is the "
@@ -197,7 +197,7 @@ def parse_args(argv=None):
                    help="on a CPU, evaluate in this many processes forked from the run, one thread each, each a share "
                         "of the tasks (parallel.forked; README, Benchmarks: bench.py eval); 1: in the run's own process. "
                         "Ignored on a GPU; under torchrun, per process")
-    g.add_argument("--eval-dtype", choices=sorted(EVAL_DTYPES), default="fp32",
+    g.add_argument("--eval-dtype", choices=sorted(WEIGHT_DTYPES), default="fp32",
                    help="on a CPU, the weights' precision in evaluations (the greedy episodes only, never the rollouts "
                         "GRPO learns from): bf16 reads half the bytes and is faster on a CPU with bf16 instructions, "
                         "and may change a few greedy outcomes (README, Benchmarks: evaluation in bf16). Ignored on a GPU, "
@@ -506,7 +506,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
 
 def eval_options(args) -> dict:
     """evaluate's keyword arguments from the command line: drafts, processes, the weights' precision."""
-    return dict(draft=args.draft_tokens, processes=args.eval_processes, weight_dtype=EVAL_DTYPES[args.eval_dtype])
+    return dict(draft=args.draft_tokens, processes=args.eval_processes, weight_dtype=WEIGHT_DTYPES[args.eval_dtype])
 
 
 def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, **options):
@@ -711,7 +711,7 @@ def run_process(args, device):
     if start_state:     # through share_state on the CPU: back onto this process's device
         start_state = [t.to(device) for t in start_state]
     world, rank = parallel.world_size(), parallel.rank()
-    rollout_dtype = EVAL_DTYPES[args.rollout_dtype] if device.type == "cpu" else None   # a GPU: half precision already
+    rollout_dtype = WEIGHT_DTYPES[args.rollout_dtype] if device.type == "cpu" else None   # a GPU: half precision already
     if world > 1 and (args.update != "grpo" or args.epochs * args.minibatches > 1):
         raise SystemExit("under torchrun, --update grpo with --epochs 1 --minibatches 1 only (so far)")
     if world > 1 and args.sample_rounds > 1:     # each process would stop after its own rounds, on its own tasks

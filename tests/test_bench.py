@@ -281,8 +281,6 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
     assert configs["control"]["adapter"] == start and configs["control"]["steps"] == 0
     assert all(c["eval_processes"] == 2 and c["eval_dtype"] == "bf16" for c in configs.values())   # forked, bf16
-    assert {arm: c["rollout_dtype"] for arm, c in configs.items()} == dict(sft="fp32", grpo="bf16", grpo_seed1="bf16",
-                                                                          rft="bf16", control="fp32")
 
     def seconds(arm, key):
         return [r["time_step"] for r in map(json.loads, open(os.path.join(folder, arm, "metrics.jsonl"))) if key in r]
@@ -341,3 +339,23 @@ def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(ti
     monkeypatch.setattr("sys.argv", ["bench.py", "sweep", "--lr", "1e-3"])
     with pytest.raises(SystemExit, match="sets --lr itself"):
         bench.main()
+
+
+def test_a_finished_run_is_reused_unless_its_flags_differ(tmp_path, monkeypatch):
+    """train_unless_finished reuses a finished run of the same flags, also one written before a
+    flag existed when that flag is at its default; another value, of an old flag or a new one, trains."""
+    runs = []
+    monkeypatch.setattr(train, "main", lambda argv: runs.append(argv))
+    out = tmp_path / "run"
+    (out / "final").mkdir(parents=True)
+    (out / "final" / "adapter_model.safetensors").write_bytes(b"")
+    argv = ["--steps", "2", "--out", str(out)]
+    config = json.loads(json.dumps(vars(train.parse_args(argv))))
+    del config["rollout_dtype"]                     # written before --rollout-dtype existed
+    (out / "config.json").write_text(json.dumps(config))
+    bench.train_unless_finished(argv)
+    bench.train_unless_finished(argv + ["--rollout-dtype", "fp32"])
+    assert runs == []
+    for other in (["--rollout-dtype", "bf16"], ["--steps", "3"]):
+        bench.train_unless_finished(argv + other)
+    assert len(runs) == 2
