@@ -1181,15 +1181,16 @@ def bench_scale(args):
         subprocess.run(launcher + [os.path.abspath(__file__)], env=env, check=True, stdout=subprocess.DEVNULL)
         whole = time.perf_counter() - t0
         steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in line]
+        updated = [r for r in steps if not r["skipped"]]
         step_s = sum(r["time_step"] for r in steps) / len(steps)
         rollout_s = sum(r["time_rollout"] for r in steps) / len(steps)
         tokens = sum(r["gen_tokens"] for r in steps) / len(steps)
         rows.append({"name": name, "steps_per_min": 60 / step_s, "step_s": step_s, "rollout_s": rollout_s,
                      "rest_s": step_s - rollout_s, "tok_s": tokens / rollout_s, "whole_s": whole,
-                     "applied": sum(not r["skipped"] for r in steps),
+                     "applied": len(updated),
                      # the update's first ratio against the sampler: 0 when both compute alike (fp32), else the gap
-                     "kl_old": mean_or_nan([r["kl_old"] for r in steps if not r["skipped"]]),
-                     "clipped": mean_or_nan([r["clip_frac_low"] + r["clip_frac_high"] for r in steps if not r["skipped"]])})
+                     "kl_old": mean_or_nan([r["kl_old"] for r in updated]),
+                     "clipped": mean_or_nan([r["clip_frac_low"] + r["clip_frac_high"] for r in updated])})
     threads = os.environ.get("OMP_NUM_THREADS")
     print(f"\nscale: train.py, {len(steps)} steps (embedded model, scripted rewards for "
           f"{args.trained_groups or 'every'} group(s) a step), flags: {' '.join(flags)}; "

@@ -459,6 +459,12 @@ def behaviour(trajectories):
     }
 
 
+def on_cpu_only(weight_dtype, device):
+    """The weights' precision while generating (--eval-dtype, --rollout-dtype; Sampling.weight_dtype)
+    applies on a CPU; a GPU runs the model in half precision already (lora.precision_for): None."""
+    return weight_dtype if device.type == "cpu" else None
+
+
 def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, processes=1, weight_dtype=None):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters. All tasks go through one engine call, `max_rows` episodes at a
@@ -469,9 +475,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
     processes: on a CPU, that many forked processes of one thread each, each with a contiguous share
     of the tasks and its own `max_rows` (parallel.forked). weight_dtype: Sampling.weight_dtype."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    if model.device.type != "cpu":      # a GPU runs the model in half precision already (lora.precision_for)
-        weight_dtype = None
-    greedy = agentrl.Sampling(greedy=True, draft=draft, weight_dtype=weight_dtype)
+    greedy = agentrl.Sampling(greedy=True, draft=draft, weight_dtype=on_cpu_only(weight_dtype, model.device))
 
     def episodes(share):
         return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
@@ -479,7 +483,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
         was_training = model.training
         model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
         try:
-            with lora.lora_merged(model, weight_dtype):
+            with lora.lora_merged(model, greedy.weight_dtype):
                 trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
         finally:                # a child that died leaves the model as it found it
             model.train(was_training)
@@ -711,7 +715,7 @@ def run_process(args, device):
     if start_state:     # through share_state on the CPU: back onto this process's device
         start_state = [t.to(device) for t in start_state]
     world, rank = parallel.world_size(), parallel.rank()
-    rollout_dtype = WEIGHT_DTYPES[args.rollout_dtype] if device.type == "cpu" else None   # a GPU: half precision already
+    rollout_dtype = on_cpu_only(WEIGHT_DTYPES[args.rollout_dtype], device)
     if world > 1 and (args.update != "grpo" or args.epochs * args.minibatches > 1):
         raise SystemExit("under torchrun, --update grpo with --epochs 1 --minibatches 1 only (so far)")
     if world > 1 and args.sample_rounds > 1:     # each process would stop after its own rounds, on its own tasks

@@ -79,11 +79,19 @@ def rollout(model, tokenizer, seed=0, sampling=None, **kw):
     return agentrl.rollout_groups(model, tokenizer, TASKS, 4, sampling, LIMITS, make_env=FakeEnv, **kw)
 
 
-def full_forward_logprobs(model, token_ids):
-    """log p(x_t | x_<t) from one plain forward over the whole sequence, (T,), 0 at t=0."""
+def full_forward_logprobs(model, token_ids, weight_dtype=None):
+    """log p(x_t | x_<t) from one plain forward over the whole sequence, (T,), 0 at t=0.
+    weight_dtype: of the policy the engine decodes with under Sampling.weight_dtype, the LoRA layers
+    merged into weights of that precision (lora_merged) and the lm_head's weight in it."""
     ids = torch.tensor([token_ids])
     with torch.no_grad():
-        logp = torch.log_softmax(model(input_ids=ids).logits[0].float(), dim=-1)    # (T, V)
+        if weight_dtype is None:
+            logits = model(input_ids=ids).logits[0]
+        else:
+            with lora.lora_merged(model, weight_dtype):
+                hidden = model.base_model(input_ids=ids).last_hidden_state[0]
+            logits = F.linear(hidden.to(weight_dtype), model.lm_head.weight.to(weight_dtype))
+        logp = torch.log_softmax(logits.float(), dim=-1)    # (T, V)
     out = torch.zeros(len(token_ids))
     out[1:] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
     return out
@@ -250,18 +258,6 @@ def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer, max_ro
         torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
 
 
-def bf16_forward_logprobs(model, token_ids):
-    """full_forward_logprobs of the policy the engine decodes with under Sampling.weight_dtype=bf16:
-    the LoRA layers merged into bf16 weights (lora_merged), the lm_head's weight in bf16."""
-    ids = torch.tensor([token_ids])
-    with torch.no_grad(), lora.lora_merged(model, torch.bfloat16):
-        hidden = model.base_model(input_ids=ids).last_hidden_state[0]
-        logp = torch.log_softmax(F.linear(hidden.bfloat16(), model.lm_head.weight.bfloat16()).float(), dim=-1)
-    out = torch.zeros(len(token_ids))
-    out[1:] = logp[:-1].gather(1, ids[0, 1:, None])[:, 0]
-    return out
-
-
 @pytest.mark.parametrize("greedy", [True, False])
 def test_weights_in_bf16_record_the_bf16_policys_logprobs(greedy, tiny_llama, smol_tokenizer):
     """Sampling.weight_dtype=torch.bfloat16 (greedy evaluation, or sampled rollouts): every merged
@@ -285,7 +281,7 @@ def test_weights_in_bf16_record_the_bf16_policys_logprobs(greedy, tiny_llama, sm
         mask = torch.tensor(t.assistant_mask)
         recorded = torch.tensor(t.sampled_logprobs)
         to_fp32.append((recorded - full_forward_logprobs(tiny_llama, t.token_ids) * mask).abs().max())
-        to_bf16.append((recorded - bf16_forward_logprobs(tiny_llama, t.token_ids) * mask).abs().max())
+        to_bf16.append((recorded - full_forward_logprobs(tiny_llama, t.token_ids, torch.bfloat16) * mask).abs().max())
     assert 1e-3 < max(to_fp32) < 0.5, to_fp32      # this random model's logits are large; fp32 is within 1e-4
     assert max(to_bf16) < max(to_fp32) / 10, (to_bf16, to_fp32)
 
