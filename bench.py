@@ -1,6 +1,6 @@
 """Benchmarks that back every performance claim in the README.
 
-    python bench.py rollout   # our rollout engine vs re-tokenize + generate(); shared histories; the floor; where the time goes
+    python bench.py rollout   # our rollout engine vs re-tokenize + generate(); shared histories; the floor; what holds it back
     python bench.py cache     # one decode step: our KVCache vs transformers' DynamicCache; fp32 vs bf16 keys and values
     python bench.py judge     # judge prompt tokens: naive vs RULER-style vs trie serialization
     python bench.py judge-server   # the --judge http path against llama.cpp's server (if installed)
@@ -39,6 +39,8 @@ from dataclasses import replace
 import numpy as np
 import torch
 
+from files import read_json, read_jsonl
+
 
 # ---------------------------------------------------------------- rollout (agentrl.py)
 def bench_rollout(args):
@@ -48,7 +50,9 @@ def bench_rollout(args):
     per trajectory. Sampled text differs between the two, so tokens per second is the figure. Our
     engine runs twice, one token a forward and with --draft prompt-lookup drafts (Sampling.draft),
     and a third time with drafts and every row fed at the flushes, where the default feeds the rows
-    that agree so far once (rollout_groups' share_histories)."""
+    that agree so far once (rollout_groups' share_histories). Then the floor of the forwards' work at
+    this machine's rates, what keeps the weight matmuls above it (weight_stream_rates), and where the
+    forwards' time goes (the same rollout under the profiler)."""
     import agentrl
     import lora
     import sql_env
@@ -144,6 +148,12 @@ def bench_rollout(args):
     print(f"floor: this machine, measured now: {bandwidth / 1e9:.1f} GB/s (a 1 GiB copy), {flops / 1e9:.0f} GFLOP/s "
           f"(a 2048^2 fp32 matmul); the forwards' bytes and FLOPs need at least {floors['all']:.1f} s, they took "
           f"{stats['forward_s']:.1f} s: ours is {stats['forward_s'] / floors['all']:.1f}x the floor")
+    rates = weight_stream_rates(model, len(tasks) * n)
+    print(f"what keeps the weight matmuls above it: the model's weights through nn.functional.linear with "
+          f"{len(tasks) * n} rows, a decode forward's, stream at {rates['rows']:.1f} GB/s ({rates['gflops']:.0f} GFLOP/s), "
+          f"{100 * rates['rows'] / rates['read']:.0f}% of the {rates['read']:.1f} GB/s at which they are only read (a sum); "
+          f"with one row (a matrix times a vector) {rates['one row']:.1f} GB/s: the matmul kernels, not the memory, "
+          f"set the pace of a few dozen rows")
 
     # what stands between: the same rollout again (same seed, so the same tokens) under the profiler
     profiled = {}
@@ -191,23 +201,45 @@ def forward_work(model, stats, prefix="") -> dict:
             "attention_flops": 4 * c.num_hidden_layers * c.num_attention_heads * head_dim * count["query_key_pairs"]}
 
 
-def machine_rates(trials=5) -> tuple[float, float]:
-    """This machine, measured now with this process's threads: memory bandwidth (bytes/s, a 1 GiB
-    copy) and matmul throughput (FLOP/s, a 2048^2 fp32 matmul), each the fastest of `trials` (on a
-    shared machine a slow trial measures the neighbours, not the machine)."""
-    def fastest(run):
+def fastest(run, trials=5) -> float:
+    """Seconds of the fastest of `trials` runs after a warm-up (on a shared machine a slow trial
+    measures the neighbours, not the machine)."""
+    run()
+    times = []
+    for _ in range(trials):
+        t0 = time.perf_counter()
         run()
-        times = []
-        for _ in range(trials):
-            t0 = time.perf_counter()
-            run()
-            times.append(time.perf_counter() - t0)
-        return min(times)
+        times.append(time.perf_counter() - t0)
+    return min(times)
+
+
+def machine_rates() -> tuple[float, float]:
+    """This machine, measured now with this process's threads: memory bandwidth (bytes/s, a 1 GiB
+    copy) and matmul throughput (FLOP/s, a 2048^2 fp32 matmul), each the fastest of 5 trials."""
     src = torch.empty(2**28)                                    # 1 GiB of fp32
     dst = torch.empty_like(src)
     bandwidth = 2 * src.numel() * 4 / fastest(lambda: dst.copy_(src))   # read + write
     a, b = torch.randn(2048, 2048), torch.randn(2048, 2048)
     return bandwidth, 2 * 2048**3 / fastest(lambda: a @ b)
+
+
+def weight_stream_rates(model, rows) -> dict:
+    """What keeps a decode forward's weight matmuls above their floor, measured now: every weight a
+    decode forward multiplies (each projection and the lm_head, once; the LoRA's A and B are folded
+    away while generating) through nn.functional.linear with `rows` rows and with one row (a matrix
+    times a vector), and only read (a sum), each over the whole model like one forward, the fastest of
+    5 trials. Returns how many weights, GB/s of them each way, and the matmul's GFLOP/s at `rows` rows."""
+    weights = [p.detach() for name, p in model.named_parameters() if p.dim() == 2 and "lora_" not in name]
+    params = sum(w.numel() for w in weights)
+    gigabytes = sum(w.numel() * w.element_size() for w in weights) / 1e9
+
+    def through_linear(n):   # a tied embedding is the lm_head: (vocab, hidden) like every (out, in) weight here
+        inputs = [torch.randn(n, w.shape[1], dtype=w.dtype) for w in weights]
+        return fastest(lambda: [torch.nn.functional.linear(x, w) for x, w in zip(inputs, weights)])
+    with torch.no_grad():
+        many, one, read = through_linear(rows), through_linear(1), fastest(lambda: [w.sum() for w in weights])
+    return {"weights": params, "rows": gigabytes / many, "one row": gigabytes / one, "read": gigabytes / read,
+            "gflops": 2 * rows * params / many / 1e9}
 
 
 def floor_seconds(work, bandwidth, flops) -> dict:
@@ -837,12 +869,12 @@ def evaluation_record(path) -> dict:
         path = only if os.path.isfile(only) else os.path.join(path, "metrics.jsonl")
     if not os.path.isfile(path):
         raise SystemExit(f"{path}: no evaluation there (an --eval-only folder, a run folder or its metrics.jsonl)")
-    records = [r for r in map(json.loads, open(path)) if "eval_outcomes" in r]
+    records = [r for r in read_jsonl(path) if "eval_outcomes" in r]
     if not records:
         raise SystemExit(f"{path}: no evaluation with per-task outcomes in it")
     config = os.path.join(os.path.dirname(path), "config.json")     # a run's: the data it ran on
     if "data" not in records[-1] and os.path.isfile(config):
-        records[-1]["data"] = json.load(open(config))["data"]
+        records[-1]["data"] = read_json(config)["data"]
     return records[-1]
 
 
@@ -904,7 +936,7 @@ def bench_pair(args):
 
 def run_records(folder) -> list:
     """A train.py run's metrics.jsonl, one dict per line."""
-    return [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+    return read_jsonl(os.path.join(folder, "metrics.jsonl"))
 
 
 def record_mean(key, records):
@@ -921,7 +953,7 @@ def train_unless_finished(argv):
     wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
     defaults = json.loads(json.dumps(vars(train.parse_args([]))))
     try:
-        config = json.load(open(os.path.join(wanted["out"], "config.json")))
+        config = read_json(os.path.join(wanted["out"], "config.json"))
         config = {**{k: v for k, v in defaults.items() if k not in config}, **config}
     except (OSError, ValueError, TypeError):
         config = None
@@ -1003,7 +1035,7 @@ def bench_learn(args):
                                     "--out", os.path.join(out, "control")])
 
     # 3) the table: every arm on both splits, then the paired differences
-    start_config = json.load(open(os.path.join(out, "sft", "config.json")))
+    start_config = read_json(os.path.join(out, "sft", "config.json"))
     splits = start_config["eval_splits"]
     finals = {"SFT start": records("sft")[-1], **{name: records(folder)[-1] for name, folder in folders.items()}}
     per_split = {name: {split: train.split_metrics(r, split) for split in splits} for name, r in finals.items()}
@@ -1014,7 +1046,7 @@ def bench_learn(args):
     print(f"\nlearn: {per_split['SFT start'][splits[0]]['eval_tasks']} tasks per held-out split, greedy | SFT start "
           f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s"
           f"{' (the mean of its runs)' if len(seeds) > 1 else ''} = {extra} SFT steps")
-    run = json.load(open(os.path.join(out, "grpo", "config.json")))
+    run = read_json(os.path.join(out, "grpo", "config.json"))
     steered = f" steered toward {run['target_entropy']:g} nats" if run.get("target_entropy") else ""
     print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}{steered}, "
           f"lr {run['lr']:g}, epochs {run['epochs']} x minibatches {run['minibatches']}, frontier share "
@@ -1180,7 +1212,7 @@ def bench_scale(args):
         t0 = time.perf_counter()
         subprocess.run(launcher + [os.path.abspath(__file__)], env=env, check=True, stdout=subprocess.DEVNULL)
         whole = time.perf_counter() - t0
-        steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl")) if "reward_mean" in line]
+        steps = [r for r in run_records(run_dir) if "reward_mean" in r]
         updated = [r for r in steps if not r["skipped"]]
         step_s = sum(r["time_step"] for r in steps) / len(steps)
         rollout_s = sum(r["time_rollout"] for r in steps) / len(steps)
@@ -1254,7 +1286,7 @@ def bench_allocator(args):
         whole = time.perf_counter() - t0
         if status:
             raise SystemExit(f"allocator: the {name} run failed (wait status {status})")
-        records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+        records = run_records(run_dir)
         steps = [r for r in records if "reward_mean" in r]
         rows[name] = {"peak_gib": usage.ru_maxrss * 1024 / 2**30, "run_s": whole,
                       "sft_s": mean_or_nan([r["time_step"] for r in records if "sft_step" in r]),

@@ -1,4 +1,4 @@
-"""Files that are never half-written, and the folder where generated files live.
+"""Files that are never half-written, read back whole, and the folder where generated files live.
 
 Every file the project writes (adapters, checkpoints, metrics snapshots, the embedded database,
 judge answers, the converted embedded model) goes through a temporary name beside its final one
@@ -12,6 +12,7 @@ after a kill, sees the old file or the new one, never a torn one.
 
 This module imports nothing of the project's, so every other module may use it.
 """
+import json
 import os
 import shutil
 import tempfile
@@ -41,6 +42,18 @@ def atomic_path(path):
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)
+
+
+def read_json(path):
+    """The JSON value a file holds (a run's config.json), the file closed again."""
+    with open(path, encoding="utf-8") as f:
+        return json.load(f)
+
+
+def read_jsonl(path) -> list:
+    """A JSON-lines file (a run's metrics.jsonl), one value a line, the file closed again."""
+    with open(path, encoding="utf-8") as f:
+        return [json.loads(line) for line in f]
 
 
 def write_text_atomic(path, text: str):

@@ -51,6 +51,7 @@ import resource
 import shutil
 import sys
 import time
+from pathlib import Path
 
 import torch
 from torch.distributed.elastic.multiprocessing.errors import record as torchrun_reports_errors
@@ -63,7 +64,7 @@ import lora
 import parallel
 import report
 import sql_env
-from files import atomic_folder, atomic_path, write_text_atomic
+from files import atomic_folder, atomic_path, read_json, read_jsonl, write_text_atomic
 
 LEAN_MMAP_THRESHOLD = 1 << 20   # bytes: a --malloc-mmap-threshold that trades time for memory (bench.py allocator)
 DRAFT_DEFAULT = 2               # --draft-tokens (README, "Drafts")
@@ -273,7 +274,7 @@ def trained_with_val_held_out(run_dir):
     """Whether the train.py run in run_dir left split val out of its training (it evaluated on val):
     True or False from its config.json; None where there is none (an adapter from elsewhere)."""
     try:
-        config = json.load(open(os.path.join(run_dir, "config.json")))
+        config = read_json(os.path.join(run_dir, "config.json"))
     except (OSError, ValueError):
         return None
     return "val" in config.get("eval_splits", [])
@@ -309,7 +310,7 @@ def load_checkpoint(run_dir, model, optimizer, scaler):
     latest = os.path.join(run_dir, "checkpoints", "latest")
     if not os.path.isfile(latest):
         raise SystemExit(f"--resume: no checkpoint in {run_dir} (expected {latest}); start without --resume")
-    folder = os.path.join(run_dir, "checkpoints", open(latest).read().strip())
+    folder = os.path.join(run_dir, "checkpoints", Path(latest).read_text().strip())
     lora.load_adapter(model, folder)
     state = torch.load(os.path.join(folder, "trainer_state.pt"), weights_only=False)
     optimizer.load_state_dict(state["optimizer"])
@@ -582,7 +583,7 @@ def plot_run(run_dir):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    records = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
+    records = read_jsonl(os.path.join(run_dir, "metrics.jsonl"))
     train = [r for r in records if "reward_mean" in r]
     evals = [r for r in records if "eval_accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
@@ -687,7 +688,7 @@ def run_process(args, device):
     for task in train_tasks:
         tasks_by_tier.setdefault(task.difficulty, []).append(task)
     judge_backend = make_judge(args, model, tokenizer, device)
-    rubric = open(args.rubric).read() if args.rubric else judge_lib.DEFAULT_RUBRIC
+    rubric = Path(args.rubric).read_text() if args.rubric else judge_lib.DEFAULT_RUBRIC
     config = grpo.GRPOConfig(micro_batch_size=args.micro_batch_size, clip_low=args.clip_low, clip_high=args.clip_high,
                              aggregation=args.loss, kl_coef=args.kl_coef, max_grad_norm=args.max_grad_norm,
                              gradient_checkpointing=args.grad_checkpointing, amp_dtype=precision.amp_dtype,
@@ -926,7 +927,7 @@ def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
 
 def print_summary(args, metrics_path, final_dir):
     """The end-of-run summary: held-out accuracy by phase, the last evaluation, updates, where things are."""
-    records = [json.loads(line) for line in open(metrics_path)]
+    records = read_jsonl(metrics_path)
     evals = [r for r in records if "eval_accuracy" in r]
     print("\n" + "=" * 72)
     labels = [r.get("phase") or f"step {r['step']}" for r in evals]

@@ -5,12 +5,14 @@ Run: python -m pytest -q tests/test_bench.py
 import json
 import os
 import re
+import sys
 import time
 
 import pytest
 
 import bench
 import train
+from files import read_json, read_jsonl
 
 
 def test_paired_difference_on_a_known_example():
@@ -205,6 +207,27 @@ def test_forward_work_counts_the_flops_torch_counts(tiny_llama):
     assert bench.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
 
 
+def test_weight_stream_rates_read_the_weights_a_decode_forward_multiplies(tiny_llama):
+    """The rollout bench's "what keeps the weight matmuls above it" streams exactly the weights a
+    decode forward multiplies, each once: torch's FLOP counter sees 2 FLOPs per weight per row in
+    one token a row through the engine's forward with the LoRA merged (its A and B folded away, the
+    tied lm_head counted once, the embedding's lookup no matmul; SDPA, which the counter does not
+    count on a CPU). Every rate is a positive number."""
+    import math
+    import torch
+    from torch.utils.flop_counter import FlopCounterMode
+    import agentrl
+    import lora
+    lora.apply_lora(tiny_llama, r=4)
+    rows = 3
+    rates = bench.weight_stream_rates(tiny_llama, rows)
+    forward, cache = agentrl._Forward(tiny_llama), agentrl.KVCache(tiny_llama.config)
+    with torch.no_grad(), lora.lora_merged(tiny_llama), FlopCounterMode(display=False) as counter:
+        forward(torch.randint(0, 100, (rows, 1)), torch.ones((rows, 1), dtype=torch.long), cache)
+    assert counter.get_total_flops() == 2 * rows * rates["weights"]
+    assert all(math.isfinite(rates[k]) and rates[k] > 0 for k in ("rows", "one row", "read", "gflops"))
+
+
 def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """bench.py allocator end to end on the tiny model: three fresh train.py runs (activations kept
     under two malloc settings, then recomputed), each row with its peak resident set and its
@@ -220,7 +243,7 @@ def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir,
     rows = re.findall(r"^((?:all kept|recomputed), [^ ]+(?: own| MiB)) +([\d.]+) GiB .* (\d+)$", out, re.M)
     assert [name for name, _, _ in rows] == names, out
     assert all(float(peak) > 0.1 and updates == "1" for _, peak, updates in rows), out
-    configs = [json.load(open(os.path.join("runs", "bench_allocator", f"variant_{i}", "config.json"))) for i in range(3)]
+    configs = [read_json(os.path.join("runs", "bench_allocator", f"variant_{i}", "config.json")) for i in range(3)]
     assert [(c["grad_checkpointing"], c["malloc_mmap_threshold"]) for c in configs] == [(False, 0), (False, 1 << 20), (True, 0)]
     for name in names[1:]:
         assert re.search(rf"{re.escape(name)} / all kept, glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out
@@ -242,7 +265,7 @@ def test_scale_bench_times_runs_with_and_without_group_segments(tiny_model_dir, 
     assert [name for name, *_ in rows] == ["no-group-segments", "1-process", "bf16-rollouts"], out
     assert all(float(per_minute) > 0 and updates == "2" for _, per_minute, *_, updates, _, _ in rows), out
     assert [float(kl_old) < 1e-6 for *_, kl_old, _ in rows] == [True, True, False], out
-    configs = [json.load(open(os.path.join("runs", "bench_scale", name, "config.json"))) for name, *_ in rows]
+    configs = [read_json(os.path.join("runs", "bench_scale", name, "config.json")) for name, *_ in rows]
     assert [(c["group_segments"], c["rollout_dtype"]) for c in configs] == [(False, "fp32"), (True, "fp32"), (True, "bf16")]
     steps = [json.loads(line) for name, *_ in rows for line in open(os.path.join("runs", "bench_scale", name, "metrics.jsonl"))
              if "reward_mean" in line]
@@ -275,7 +298,7 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     bench.main()
     out = capsys.readouterr().out
     folder = os.path.join("runs", "bench_learn")
-    configs = {arm: json.load(open(os.path.join(folder, arm, "config.json"))) for arm in ("sft", "grpo", "grpo_seed1", "rft", "control")}
+    configs = {arm: read_json(os.path.join(folder, arm, "config.json")) for arm in ("sft", "grpo", "grpo_seed1", "rft", "control")}
     start = os.path.join(folder, "sft", "final")
     assert [(c["seed"], c["update"]) for c in (configs["grpo"], configs["grpo_seed1"], configs["rft"])] == [(0, "grpo"), (1, "grpo"), (0, "rft")]
     assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
@@ -283,7 +306,7 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert all(c["eval_processes"] == 2 and c["eval_dtype"] == "bf16" for c in configs.values())   # forked, bf16
 
     def seconds(arm, key):
-        return [r["time_step"] for r in map(json.loads, open(os.path.join(folder, arm, "metrics.jsonl"))) if key in r]
+        return [r["time_step"] for r in read_jsonl(os.path.join(folder, arm, "metrics.jsonl")) if key in r]
     grpo_s = (sum(seconds("grpo", "reward_mean")) + sum(seconds("grpo_seed1", "reward_mean"))) / 2
     extra = max(1, round(grpo_s / seconds("sft", "sft_step")[0]))
     assert configs["control"]["sft_steps"] == extra
@@ -301,6 +324,22 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert os.path.isfile(os.path.join(folder, "learn.png"))
     assert_a_rerun_trains_nothing(out, "learn:", "curves:", monkeypatch, capsys)
 
+    # --grpo-seeds 1: the first seed's run alone, reused, and paired with every other arm itself; the
+    # control is matched to that run's time (trained again only if that changes its steps)
+    trained = []
+    monkeypatch.setattr(train, "main", lambda argv: trained.append(argv))
+    monkeypatch.setattr("sys.argv", sys.argv + ["--grpo-seeds", "1"])
+    bench.main()
+    out = capsys.readouterr().out
+    assert all(argv[argv.index("--out") + 1] == os.path.join(folder, "control") for argv in trained), trained
+    control = f"SFT +{max(1, round(sum(seconds('grpo', 'reward_mean')) / seconds('sft', 'sft_step')[0]))} (control)"
+    rows = re.findall(r"^(SFT start|GRPO 1|RFT 1|SFT \+\d+ \(control\)) +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+ +[\d.]+$", out, re.M)
+    assert rows == ["SFT start", "GRPO 1", "RFT 1", control], out
+    for split in ("test", "test_schema"):
+        for other in ("SFT start", "RFT 1", control):
+            assert re.search(rf"^  {split} +GRPO 1 - {re.escape(other)}: [\d.]+ -> [\d.]+ on 2 tasks", out, re.M), (other, out)
+    assert "its 2 runs" not in out and "mean of its runs" not in out and "GRPO 1 signal:" in out
+
 
 def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """bench.py sweep end to end on the tiny model: one SFT start per rank, one GRPO run per lr from
@@ -315,10 +354,10 @@ def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(ti
     out = capsys.readouterr().out
     folder = os.path.join("runs", "bench_sweep")
     for rank in (2, 4):
-        start = json.load(open(os.path.join(folder, f"sft_r{rank}", "config.json")))
+        start = read_json(os.path.join(folder, f"sft_r{rank}", "config.json"))
         assert (start["lora_r"], start["sft_steps"], start["steps"], start["eval_splits"]) == (rank, 1, 0, ["val"])
         for lr in (1e-4, 1e-2):
-            run = json.load(open(os.path.join(folder, f"r{rank}_lr{lr:g}", "config.json")))
+            run = read_json(os.path.join(folder, f"r{rank}_lr{lr:g}", "config.json"))
             assert (run["lora_r"], run["lr"], run["steps"], run["sft_steps"]) == (rank, lr, 1, 0)
             assert run["adapter"] == os.path.join(folder, f"sft_r{rank}", "final") and run["eval_splits"] == ["val"]
     rows = re.findall(r"^ +(\d+) +([\d.e-]+) +([\d.]+) +([\d.]+)   ([+-][\d.]+) \[", out, re.M)

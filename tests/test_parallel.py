@@ -24,6 +24,7 @@ import grpo
 import lora
 import parallel
 import train
+from files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -130,7 +131,7 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
         assert [code for code, _ in results] == [0, 0], "\n".join(err[-3000:] for _, err in results)
     assert list((tmp_path / "rank1").iterdir()) == [], "only rank 0 writes"
     out = tmp_path / "rank0" / "run"
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2] and all(r["submitted_groups"] == 3 and not r["skipped"] for r in steps)
     assert all(r["trainable_groups"] == 3 and r["sequences"] == 9 for r in steps), steps

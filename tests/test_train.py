@@ -17,6 +17,7 @@ from safetensors.torch import load_file
 
 import bench
 import train
+from files import read_json, read_jsonl
 
 
 class ScriptedJudge:
@@ -56,7 +57,7 @@ def test_two_steps_change_the_lora_weights(tiny_model_dir, tmp_path, scripted_ju
     out = tmp_path / "run"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "2"))
     assert scripted_judge.calls == 4, "each of the 2 groups of 2 steps is judged once"
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if "reward_mean" in r]
     assert [r["step"] for r in steps] == [1, 2]
     assert all(r["trainable_groups"] == 2 and not r["skipped"] for r in steps), steps
@@ -176,11 +177,11 @@ def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, t
     monkeypatch.setattr(train, "make_judge", lambda args, model, tokenizer, device: judge)
     out = tmp_path / "run"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1"))
-    (record,) = [json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line]
+    (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "reward_mean" in r]
     assert record["judge_rescaled_groups"] == 2 and record["judge_corrections"] == 2 and judge.calls == 4
     assert record["judge_failed_groups"] == 0 and record["trainable_groups"] == 2
     assert "judge_failed_groups=0 | judge_rescaled_groups=2 | judge_corrections=2" in capsys.readouterr().out
-    lines = [json.loads(line) for line in open(out / "trajectories" / "step_0001.jsonl")]
+    lines = read_jsonl(out / "trajectories" / "step_0001.jsonl")
     assert all(line["judge_rescaled"] == "0-10" for line in lines)
     assert sorted(line["judge_score"] for line in lines[:3]) == pytest.approx([1 / 3, 2 / 3, 1])
 
@@ -288,7 +289,7 @@ def test_dynamic_sampling_rolls_out_new_tasks_until_enough_groups_are_mixed(tiny
     assert len(rounds) == 2 and not set(rounds[0]) & set(rounds[1]), rounds
     assert step["rollout_rounds"] == 2 and step["submitted_groups"] == 4 and step["trainable_groups"] == 2
     assert not step["skipped"] and step["mixed_group_rate"] == 0.5
-    episodes = [json.loads(line) for line in open(out / "trajectories" / "step_0001.jsonl")]
+    episodes = read_jsonl(out / "trajectories" / "step_0001.jsonl")
     assert [e["task_id"] for e in episodes if e["advantage"]] == [tid for tid in rounds[1] for _ in range(3)]
     assert [e["advantage"] > 0 for e in episodes[6:]] == [True, False, False] * 2
 
@@ -323,14 +324,14 @@ def test_target_entropy_steers_each_step_and_survives_a_resume(tiny_model_dir, t
     straight, broken = tmp_path / "straight", tmp_path / "broken"
     flags = ["--target-entropy", "2.0", "--temperature", "1.0"]
     train.main(tiny_args(tiny_model_dir, straight, "--steps", "3", *flags))
-    steps = [json.loads(line) for line in open(straight / "metrics.jsonl") if "reward_mean" in line]
+    steps = [r for r in read_jsonl(straight / "metrics.jsonl") if "reward_mean" in r]
     assert steps[0]["temperature"] == 1.0 and steps[1]["temperature"] < 1.0
     assert f"temperature 1.00 -> {steps[-1]['temperature']:.2f} (steered toward 2 nats)" in capsys.readouterr().out
     for before, after in zip(steps, steps[1:]):
         assert after["temperature"] == train.next_temperature(before["temperature"], before["rollout_entropy"], 2.0)
     train.main(tiny_args(tiny_model_dir, broken, "--steps", "2", *flags))
     train.main(tiny_args(tiny_model_dir, broken, "--steps", "3", "--resume", *flags))
-    resumed = [json.loads(line) for line in open(broken / "metrics.jsonl") if "reward_mean" in line]
+    resumed = [r for r in read_jsonl(broken / "metrics.jsonl") if "reward_mean" in r]
     assert [r["temperature"] for r in resumed] == [r["temperature"] for r in steps]
     constant = tmp_path / "constant"
     train.main(tiny_args(tiny_model_dir, constant, "--steps", "2", "--temperature", "1.0"))
@@ -400,7 +401,7 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
     out = tmp_path / "run"
     args = ["--sft-steps", "2", "--sft-batch-size", "2", "--max-new-tokens", "130", "--max-turns", "4", "--kl-coef", "0.1"]
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *args))
-    records = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    records = read_jsonl(out / "metrics.jsonl")
     assert [r["sft_step"] for r in records if "sft_step" in r] == [1, 2]
     assert all(r["sft_loss"] > 0 and not r["skipped"] and r["sft_dropped"] == 0 for r in records if "sft_step" in r)
     assert [r.get("phase") for r in records if "eval_accuracy" in r] == ["base", "sft", None]
@@ -410,7 +411,7 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
     assert all(torch.equal(v, sft[k]) for k, v in adapter_tensors(out / "start").items())
     for label in ("base", "sft", "step_0001"):     # every evaluation's episodes, one line per held-out task
         for split in ("test", "test_schema"):
-            episodes = [json.loads(line) for line in open(out / "evals" / f"{label}_{split}.jsonl")]
+            episodes = read_jsonl(out / "evals" / f"{label}_{split}.jsonl")
             assert len(episodes) == 2 and all(e["messages"] and e["task_id"] for e in episodes)
     train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", *args))
     kl = [json.loads(line)["kl"] for line in open(out / "metrics.jsonl") if "reward_mean" in line]
@@ -531,9 +532,9 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     assert train.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
     out = capsys.readouterr().out
     assert "  test:        accuracy=" in out and "  test_schema: accuracy=" in out and "failed_submit_rate=" in out
-    kept = json.load(open(tmp_path / "r" / "eval_only.json"))               # the last evaluation's record, to pair
+    kept = read_json(tmp_path / "r" / "eval_only.json")               # the last evaluation's record, to pair
     assert kept["eval_outcomes"] == both["eval_outcomes"] and kept["test_schema_outcomes"] == both["test_schema_outcomes"]
     bench.bench_pair(SimpleNamespace(paths=[str(tmp_path / "r")] * 2))     # the data it names has these tasks' templates
     assert capsys.readouterr().out.count("+0.0 points [+0.0, +0.0] by task, [+0.0, +0.0] by template") == 2
-    episodes = [json.loads(line) for line in open(tmp_path / "r" / "evals" / "eval_only_test_schema.jsonl")]
+    episodes = read_jsonl(tmp_path / "r" / "evals" / "eval_only_test_schema.jsonl")
     assert "".join("1" if e["correct"] else "0" for e in episodes) == both["test_schema_outcomes"]
