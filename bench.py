@@ -950,8 +950,9 @@ def train_unless_finished(argv):
     part way, or run again, trains only what is missing, and what a retrained start changes). A
     flag newer than the run, at its default, matches: a new flag's default keeps the old behaviour."""
     import train
-    wanted = json.loads(json.dumps(vars(train.parse_args(argv))))     # as config.json stores it
-    defaults = json.loads(json.dumps(vars(train.parse_args([]))))
+    def as_stored(argv):     # train.py's arguments as its config.json stores them
+        return json.loads(json.dumps(vars(train.parse_args(argv))))
+    wanted, defaults = as_stored(argv), as_stored([])
     try:
         config = read_json(os.path.join(wanted["out"], "config.json"))
         config = {**{k: v for k, v in defaults.items() if k not in config}, **config}

@@ -57,7 +57,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from files import write_text_atomic
+from files import read_json, write_text_atomic
 
 # ---------------------------------------------------------------- the prompt
 # In RULER's spirit: success dominates, then efficiency, partial credit, proportional gaps.
@@ -406,8 +406,7 @@ def _read_cache(path: str) -> dict | None:
     """A cached judgement, or None. A missing or corrupt entry is just a miss, and so is one
     written before rescaling existed (no "rescaled" key): its scores may have been clamped."""
     try:
-        with open(path, encoding="utf-8") as f:
-            entry = json.load(f)
+        entry = read_json(path)
     except (OSError, json.JSONDecodeError):
         return None
     return entry if isinstance(entry, dict) and {"scores", "explanations", "rescaled"} <= entry.keys() else None
