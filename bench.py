@@ -971,7 +971,7 @@ def bench_learn(args):
         GRPO           G steps from the start (judge none: reward = correctness; train.py's defaults
                        for task sampling, epochs, minibatches, unless flags say otherwise)
         RFT            G steps of rejection-sampling fine-tuning from the start: the same rollouts'
-                       kind, a supervised step on the correct ones (--update rft)
+                       kind, supervised steps on the correct ones, as many as GRPO's (--update rft)
         SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
 
     Every arm is evaluated on the whole of both held-out splits (--eval-size 0), in two forked

@@ -689,6 +689,19 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
         model.train(was_training)
 
 
+def minibatch_passes(n, config, seed=0):
+    """The optimizer steps one batch of n rollouts gets: config.epochs passes, each split into
+    config.minibatches parts, as lists of indices. One epoch of one minibatch is the batch in its
+    order; otherwise each pass shuffles it (seeded by `seed`, so a resumed run repeats it)."""
+    order, rng, parts = list(range(n)), random.Random(seed), []
+    for _ in range(config.epochs):
+        if config.epochs * config.minibatches > 1:
+            rng.shuffle(order)
+        size = math.ceil(n / config.minibatches)
+        parts += [order[i:i + size] for i in range(0, n, size)]
+    return parts
+
+
 def grpo_update(model, optimizer, trajectories, advantages, config, scaler, reference_context=None, seed=0):
     """config.epochs passes over one batch of rollouts, each split into config.minibatches optimizer
     steps (grpo_step), all against the rollout's log-probs: PPO's reuse of a costly batch.
@@ -696,21 +709,12 @@ def grpo_update(model, optimizer, trajectories, advantages, config, scaler, refe
     Rollouts are most of a step's time; a single optimizer step uses them once, with the ratio
     stuck at 1. Every step after the first sees a policy that has moved, so the ratio and the
     clip do their job (clip_frac_*, kl_old). epochs = minibatches = 1 is exactly one grpo_step on
-    the batch as given. Otherwise each pass shuffles the trajectories (seeded by `seed`, so a
-    resumed run repeats it) and every minibatch is normalized over its own tokens.
+    the batch as given (minibatch_passes); every minibatch is normalized over its own tokens.
     Returns grpo_step's stats averaged over the steps taken, with `updates` (steps applied) and
     `skipped` only when every step was.
     """
-    order = list(range(len(trajectories)))
-    rng = random.Random(seed)
-    steps = []
-    for _ in range(config.epochs):
-        if config.epochs * config.minibatches > 1:
-            rng.shuffle(order)
-        size = math.ceil(len(order) / config.minibatches)
-        for part in (order[i:i + size] for i in range(0, len(order), size)):
-            steps.append(grpo_step(model, optimizer, [trajectories[i] for i in part], [advantages[i] for i in part],
-                                   config, scaler, reference_context))
+    steps = [grpo_step(model, optimizer, [trajectories[i] for i in part], [advantages[i] for i in part],
+                       config, scaler, reference_context) for part in minibatch_passes(len(trajectories), config, seed)]
     if len(steps) == 1:
         return {**steps[0], "updates": int(not steps[0]["skipped"])}
     applied = [s for s in steps if not s["skipped"]]
@@ -720,7 +724,7 @@ def grpo_update(model, optimizer, trajectories, advantages, config, scaler, refe
     stats["kl_old_last"] = applied[-1]["kl_old"] if applied else 0.0   # the farthest the policy got from the sampler
     first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
     return {**stats, "updates": len(applied), "skipped": not applied, "skip_reason": first_skip,
-            "sequences": len(trajectories), "tokens": sum(s["tokens"] for s in steps[:config.minibatches]),
+            "sequences": len(trajectories), "tokens": sum(s["tokens"] for s in steps[:len(steps) // config.epochs]),   # one pass
             "forwarded_sequences": sum(s["forwarded_sequences"] for s in steps), "entropy": sampled_entropy(trajectories)}
 
 
@@ -783,3 +787,20 @@ def sft_step(model, optimizer, trajectories, config, scaler):
     finally:
         optimizer.zero_grad(set_to_none=True)
         model.train(was_training)
+
+
+def rft_update(model, optimizer, correct, config, scaler, seed=0):
+    """Rejection-sampling fine-tuning, the control GRPO is measured against: supervised steps
+    (sft_step) on a step's correct rollouts, as many as grpo_update takes on its batch
+    (config.epochs x config.minibatches, split by minibatch_passes), so that the two differ in
+    what they learn from, not in how often they step. One epoch of one minibatch is one sft_step.
+    Returns sft_step's stats averaged over the steps applied, with `updates` (steps applied)."""
+    steps = [sft_step(model, optimizer, [correct[i] for i in part], config, scaler)
+             for part in minibatch_passes(len(correct), config, seed)]
+    if len(steps) == 1:
+        return {**steps[0], "updates": int(not steps[0]["skipped"])}
+    applied = [s for s in steps if not s["skipped"]]
+    stats = {k: sum(s[k] for s in applied) / len(applied) if applied else 0.0 for k in ("sft_loss", "grad_norm")}
+    first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
+    return {**stats, "updates": len(applied), "skipped": not applied, "skip_reason": first_skip,
+            "tokens": sum(sum(t.assistant_mask) for t in correct)}

@@ -26,8 +26,8 @@ the whole algorithm:
                          logits (fp16 overflow)
     5) update            clipped policy-gradient steps on the LoRA parameters only: --epochs
                          passes over the batch, --minibatches steps each (grpo.grpo_update);
-                         or, as the control, --update rft: one supervised step on the step's
-                         correct rollouts (rejection-sampling fine-tuning)
+                         or, as the control, --update rft: as many supervised steps on the
+                         step's correct rollouts (rejection-sampling fine-tuning, grpo.rft_update)
     6) log               one `key=value | ...` line, metrics.jsonl, trajectories/step_XXXX.jsonl,
                          the plot and report.html (report.py)
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter + optimizer +
@@ -162,8 +162,9 @@ def parse_args(argv=None):
     # loss and optimization
     g = p.add_argument_group("loss and optimization")
     g.add_argument("--update", choices=["grpo", "rft"], default="grpo",
-                   help="grpo: the clipped policy gradient; rft: rejection-sampling fine-tuning, one supervised step "
-                        "on the step's correct rollouts (the control that needs, like GRPO, only answers)")
+                   help="grpo: the clipped policy gradient; rft: rejection-sampling fine-tuning, supervised steps on the "
+                        "step's correct rollouts, epochs x minibatches of them as GRPO takes (the control that needs, "
+                        "like GRPO, only answers)")
     g.add_argument("--lr", type=float, default=1e-4 if not on_gpu else 5e-5, help="AdamW learning rate of the RL steps")
     g.add_argument("--epochs", type=int, default=1, help="passes over each batch of rollouts (PPO epochs)")
     g.add_argument("--minibatches", type=int, default=1,
@@ -758,7 +759,7 @@ def run_process(args, device):
         reference = lora.lora_weights(model, start_state) if args.kl_coef > 0 else None  # the KL reference
         if args.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
             correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
-            stats = (grpo.sft_step(model, optimizer, correct, config, scaler) if correct
+            stats = (grpo.rft_update(model, optimizer, correct, config, scaler, seed=step_seed) if correct
                      else {"skipped": True, "skip_reason": "no correct rollout"})
         elif world > 1:
             step_counts = parallel.sum_counts(grpo.normalizer_counts(batch, config))

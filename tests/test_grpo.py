@@ -622,6 +622,33 @@ def test_sft_step_fp16_overflow_skips_the_step_and_lowers_the_scale():
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
 
 
+
+def test_rft_update_takes_as_many_steps_as_grpo_and_one_pass_is_one_sft_step():
+    """Rejection sampling steps as often as GRPO: one epoch of one minibatch is one sft_step, bit for
+    bit; 2 epochs x 2 minibatches are 4 optimizer steps, each on its part of the correct rollouts,
+    every rollout seen once a pass (the parts minibatch_passes gives, as grpo_update's)."""
+    results = []
+    for update in ("sft_step", "rft_update"):
+        model, params = tiny_model()
+        optimizer = torch.optim.AdamW(params, lr=1e-2)
+        call = grpo.sft_step if update == "sft_step" else grpo.rft_update
+        stats = call(model, optimizer, trajectories(4), grpo.GRPOConfig(micro_batch_size=2), NO_SCALER)
+        results.append(([p.detach().clone() for p in params], stats))
+    (a, stats_a), (b, stats_b) = results
+    for x, y in zip(a, b):
+        torch.testing.assert_close(x, y, rtol=0, atol=0)
+    assert stats_b["updates"] == 1 and stats_a["sft_loss"] == stats_b["sft_loss"]
+
+    config = grpo.GRPOConfig(micro_batch_size=2, epochs=2, minibatches=2)
+    passes = grpo.minibatch_passes(4, config, seed=3)
+    assert len(passes) == 4 and sorted(passes[0] + passes[1]) == sorted(passes[2] + passes[3]) == [0, 1, 2, 3]
+    model, params = tiny_model()
+    optimizer = torch.optim.AdamW(params, lr=1e-2)
+    stats = grpo.rft_update(model, optimizer, trajectories(4), config, NO_SCALER, seed=3)
+    assert stats["updates"] == 4 and not stats["skipped"] and stats["sft_loss"] > 0
+    assert stats["tokens"] == sum(sum(t.assistant_mask) for t in trajectories(4))
+    assert all(optimizer.state[p]["step"] == 4 for p in params)
+
 # ---------------------------------------------------------------- data parallel (train.py under torchrun)
 def in_threads(shares, run):
     """Run run(rank, all_reduce) for each share in its own thread, `all_reduce` summing a tensor

@@ -368,11 +368,13 @@ def test_exec_credit_rewards_a_submitted_query_that_ran(db):
     assert plain == [0.0, 0.0, 0.0] and credited == [0.25, 0.0, 0.0]   # no signal without the credit, some with it
 
 
-@pytest.mark.parametrize("extra", [["--epochs", "2", "--minibatches", "2"], ["--update", "rft"]])
+@pytest.mark.parametrize("extra", [["--epochs", "2", "--minibatches", "2"], ["--update", "rft"],
+                                   ["--update", "rft", "--epochs", "2"]])
 def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_dir, tmp_path, scripted_judge,
                                                                    monkeypatch, extra):
     """--epochs 2 --minibatches 2 takes 4 optimizer steps per batch; --update rft one supervised step
-    on the correct rollouts (here every even rollout is made correct), and logs it."""
+    on the correct rollouts (here every even rollout is made correct), and as many as GRPO would
+    with --epochs 2; each logs it."""
     import agentrl
     real = agentrl.rollout_groups
 
@@ -388,7 +390,7 @@ def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_di
     step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
     assert not step["skipped"] and step["mixed_group_rate"] == 1.0
     if "rft" in extra:
-        assert step["sft_loss"] > 0 and step["tokens"] > 0
+        assert step["sft_loss"] > 0 and step["tokens"] > 0 and step["updates"] == (2 if "--epochs" in extra else 1)
     else:
         assert step["updates"] == 4 and "kl_old" in step and "clip_frac_high" in step
 
