@@ -40,7 +40,8 @@ Simplifications, and why they are safe:
 - Log-probs assume logits = lm_head(final hidden state), true for Llama, Qwen2 and SmolLM2;
   a model with logit soft-capping or scaling would need it added in `_head_logprobs`.
 - Learning-rate schedules and which tasks to roll out are the caller's business (train.py); this
-  file only turns rollouts into optimizer steps.
+  file only turns rollouts into optimizer steps. The control GRPO is measured against lives here
+  too: rft_update, supervised steps on a step's correct rollouts, as many as grpo_update takes.
 """
 import math
 import random
