@@ -695,12 +695,22 @@ def minibatch_passes(n, config, seed=0):
     config.minibatches parts, as lists of indices. One epoch of one minibatch is the batch in its
     order; otherwise each pass shuffles it (seeded by `seed`, so a resumed run repeats it)."""
     order, rng, parts = list(range(n)), random.Random(seed), []
+    size = math.ceil(n / config.minibatches)
     for _ in range(config.epochs):
         if config.epochs * config.minibatches > 1:
             rng.shuffle(order)
-        size = math.ceil(n / config.minibatches)
         parts += [order[i:i + size] for i in range(0, n, size)]
     return parts
+
+
+def _several_steps(steps, keys):
+    """The stats of several optimizer steps on one batch as one record: each of `keys` averaged
+    over the steps applied (0.0 if none), `updates` (steps applied), `skipped` only when every
+    step was, and the first skipped step's reason."""
+    applied = [s for s in steps if not s["skipped"]]
+    first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
+    return {**{k: sum(s[k] for s in applied) / len(applied) if applied else 0.0 for k in keys},
+            "updates": len(applied), "skipped": not applied, "skip_reason": first_skip}
 
 
 def grpo_update(model, optimizer, trajectories, advantages, config, scaler, reference_context=None, seed=0):
@@ -718,14 +728,11 @@ def grpo_update(model, optimizer, trajectories, advantages, config, scaler, refe
                        config, scaler, reference_context) for part in minibatch_passes(len(trajectories), config, seed)]
     if len(steps) == 1:
         return {**steps[0], "updates": int(not steps[0]["skipped"])}
+    stats = _several_steps(steps, ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old", "grad_norm"))
     applied = [s for s in steps if not s["skipped"]]
-    stats = {k: sum(s[k] for s in applied) / len(applied) if applied else 0.0
-             for k in ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old", "grad_norm")}
     stats["kl"] = sum(s["kl"] for s in applied) / len(applied) if applied and config.kl_coef > 0 else None
     stats["kl_old_last"] = applied[-1]["kl_old"] if applied else 0.0   # the farthest the policy got from the sampler
-    first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
-    return {**stats, "updates": len(applied), "skipped": not applied, "skip_reason": first_skip,
-            "sequences": len(trajectories), "tokens": sum(s["tokens"] for s in steps[:len(steps) // config.epochs]),   # one pass
+    return {**stats, "sequences": len(trajectories), "tokens": sum(s["tokens"] for s in steps[:len(steps) // config.epochs]),   # one pass
             "forwarded_sequences": sum(s["forwarded_sequences"] for s in steps), "entropy": sampled_entropy(trajectories)}
 
 
@@ -800,8 +807,4 @@ def rft_update(model, optimizer, correct, config, scaler, seed=0):
              for part in minibatch_passes(len(correct), config, seed)]
     if len(steps) == 1:
         return {**steps[0], "updates": int(not steps[0]["skipped"])}
-    applied = [s for s in steps if not s["skipped"]]
-    stats = {k: sum(s[k] for s in applied) / len(applied) if applied else 0.0 for k in ("sft_loss", "grad_norm")}
-    first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
-    return {**stats, "updates": len(applied), "skipped": not applied, "skip_reason": first_skip,
-            "tokens": sum(sum(t.assistant_mask) for t in correct)}
+    return {**_several_steps(steps, ("sft_loss", "grad_norm")), "tokens": sum(sum(t.assistant_mask) for t in correct)}

@@ -622,7 +622,6 @@ def test_sft_step_fp16_overflow_skips_the_step_and_lowers_the_scale():
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
 
 
-
 def test_rft_update_takes_as_many_steps_as_grpo_and_one_pass_is_one_sft_step():
     """Rejection sampling steps as often as GRPO: one epoch of one minibatch is one sft_step, bit for
     bit; 2 epochs x 2 minibatches are 4 optimizer steps, each on its part of the correct rollouts,
@@ -648,6 +647,7 @@ def test_rft_update_takes_as_many_steps_as_grpo_and_one_pass_is_one_sft_step():
     assert stats["updates"] == 4 and not stats["skipped"] and stats["sft_loss"] > 0
     assert stats["tokens"] == sum(sum(t.assistant_mask) for t in trajectories(4))
     assert all(optimizer.state[p]["step"] == 4 for p in params)
+
 
 # ---------------------------------------------------------------- data parallel (train.py under torchrun)
 def in_threads(shares, run):
