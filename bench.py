@@ -803,16 +803,19 @@ def pass_at_k(n, c, k):
     return 1.0 if n - c < k else 1.0 - math.comb(n - c, k) / math.comb(n, k)
 
 
-def headroom(adapter, tasks, k, seed, limits, model_name=None):
-    """pass@1 and pass@k at temperature 1 of an adapter on `tasks`: what RL could turn into greedy accuracy.
-    model_name: the base model the adapter was trained on (None: the embedded one)."""
+def headroom(adapter, tasks_by_split, k, seed, limits, model_name=None) -> dict:
+    """{split: (pass@1, pass@k)} at temperature 1 of an adapter on each split's tasks: what RL could turn into
+    greedy accuracy there. model_name: the base model the adapter was trained on (None: the embedded one)."""
     import agentrl
     import lora
     model, tokenizer = lora.load_model(model_name)
     lora.load_adapter(model, adapter)
-    groups = agentrl.rollout_groups(model, tokenizer, tasks, k, agentrl.Sampling(seed=seed), limits, max_rows=8 * k)
-    correct = [sum(t.correct for t in g.trajectories) for g in groups]
-    return (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
+    rates = {}
+    for split, tasks in tasks_by_split.items():
+        groups = agentrl.rollout_groups(model, tokenizer, tasks, k, agentrl.Sampling(seed=seed), limits, max_rows=8 * k)
+        correct = [sum(t.correct for t in g.trajectories) for g in groups]
+        rates[split] = (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
+    return rates
 
 
 def split_outcomes(record) -> dict:
@@ -982,8 +985,9 @@ def bench_learn(args):
     gets its row, and with several runs their mean is paired with the start, RFT and the control
     (each task's outcome averaged over the runs), with the spread of the runs' own differences
     beside it: what a seed alone moves. The control gets the GRPO runs' mean time. The start's
-    pass@k at temperature 1 on --pass-tasks test tasks is the headroom: greedy accuracy RL could
-    reach by making the policy pick, every time, what it already sometimes finds. A finished SFT
+    pass@k at temperature 1 on --pass-tasks tasks of each held-out split is the headroom: greedy
+    accuracy RL could reach there by making the policy pick, every time, what it already sometimes
+    finds (RL raises pass@1 toward pass@k; where pass@k is 0 it has nothing to raise). A finished SFT
     start in runs/bench_learn/sft with the same settings is reused, and so is every arm that
     finished with the same flags (a benchmark stopped part way, or run again with more
     --grpo-seeds, runs only what is missing).
@@ -1042,8 +1046,10 @@ def bench_learn(args):
     per_split = {name: {split: train.split_metrics(r, split) for split in splits} for name, r in finals.items()}
     if args.pass_tasks:
         limits = agentrl.Limits(start_config["max_turns"], start_config["max_new_tokens"], start_config["max_context"])
-        tasks = random.Random(args.seed).sample(sql_env.load_tasks(start_config["data"], splits[0]), args.pass_tasks)
-        p1, pk = headroom(start, tasks, args.pass_k, args.seed, limits, start_config["model"])
+        # the same draw of positions in every split: test_schema holds test's questions on another schema
+        tasks = {split: random.Random(args.seed).sample(sql_env.load_tasks(start_config["data"], split), args.pass_tasks)
+                 for split in splits}
+        rates = headroom(start, tasks, args.pass_k, args.seed, limits, start_config["model"])
     print(f"\nlearn: {per_split['SFT start'][splits[0]]['eval_tasks']} tasks per held-out split, greedy | SFT start "
           f"{args.sft_steps} steps of {start_s:.1f} s | GRPO {args.grpo_steps} steps, {grpo_s:.0f} s"
           f"{' (the mean of its runs)' if len(seeds) > 1 else ''} = {extra} SFT steps")
@@ -1058,8 +1064,8 @@ def bench_learn(args):
         cells = "".join(f"{m['eval_accuracy']:>18.3f}{m['eval_failed_submit_rate'] or 0:>11.2f}" for m in by_split.values())
         print(f"{name:<24}{cells}{by_split[splits[0]]['eval_mean_turns']:>7.2f}")
     if args.pass_tasks:
-        print(f"headroom of the start on {args.pass_tasks} {splits[0]} tasks at temperature 1: pass@1 {p1:.3f}, "
-              f"pass@{args.pass_k} {pk:.3f}")
+        print(f"headroom of the start on {args.pass_tasks} tasks of each split at temperature 1: " + " | ".join(
+            f"{split} pass@1 {p1:.3f}, pass@{args.pass_k} {pk:.3f}" for split, (p1, pk) in rates.items()))
     one_grpo = len(grpo_names) == 1      # one run: GRPO against every other arm; several: each against the start
     comparisons = ([(g, "SFT start") for g in grpo_names] + ([(grpo_names[0], rft_name), (grpo_names[0], control)] if one_grpo else [])
                    + [(rft_name, "SFT start"), (control, "SFT start")])
@@ -1336,7 +1342,7 @@ def main():
     parser.add_argument("--grpo-steps", type=int, default=8, help="learn: GRPO and RFT steps (the control gets GRPO's time); sweep: of each run")
     parser.add_argument("--grpo-seeds", type=int, default=2,
                         help="learn: GRPO runs, seeds --seed, --seed + 1, ...: their mean is paired with every arm, the spread printed")
-    parser.add_argument("--pass-tasks", type=int, default=24, help="learn: test tasks for the start's pass@k (0: skip)")
+    parser.add_argument("--pass-tasks", type=int, default=24, help="learn: tasks of each held-out split for the start's pass@k (0: skip)")
     parser.add_argument("--pass-k", type=int, default=8, help="learn: samples per task for pass@k")
     parser.add_argument("--sweep-lrs", default="1e-4,3e-4,1e-3", help="sweep: the RL learning rates, comma-separated")
     parser.add_argument("--sweep-ranks", default="4,16", help="sweep: the LoRA ranks, comma-separated")

@@ -320,7 +320,8 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
             assert re.search(rf"^  {split} +GRPO 1 \(its 2 runs\) - {re.escape(other)}: mean of 2 runs: .* on 2 tasks: .*"
                              r"\| the runs: [+-][\d.]+, [+-][\d.]+ \(spread [\d.]+\)$", out, re.M), (other, out)
     assert "GRPO 1 seed 0 signal:" in out and "GRPO 1 seed 1 signal:" in out
-    assert re.search(r"headroom of the start on 1 test tasks at temperature 1: pass@1 [\d.]+, pass@2 [\d.]+", out)
+    assert re.search(r"headroom of the start on 1 tasks of each split at temperature 1: test pass@1 [\d.]+, pass@2 [\d.]+ \| "
+                     r"test_schema pass@1 [\d.]+, pass@2 [\d.]+$", out, re.M)
     assert os.path.isfile(os.path.join(folder, "learn.png"))
     assert_a_rerun_trains_nothing(out, "learn:", "curves:", monkeypatch, capsys)
 
