@@ -10,7 +10,9 @@ after a kill, sees the old file or the new one, never a torn one.
     with atomic_folder("runs/x/checkpoints/step_0001") as tmp:
         ...                                              # fill the folder; it appears whole
 
-This module imports nothing of the project's, so every other module may use it.
+It also holds `common_prefix_length`, the one longest-common-prefix helper (prompts, shared
+prefixes, the judge's shared messages). It imports nothing of the project's, so every other
+module may use it.
 """
 import json
 import os
@@ -50,10 +52,40 @@ def read_json(path):
         return json.load(f)
 
 
-def read_jsonl(path) -> list:
-    """A JSON-lines file (a run's metrics.jsonl), one value a line, the file closed again."""
+def read_jsonl(path, skip_unreadable=False):
+    """A JSON-lines file (a run's metrics.jsonl), one value a line, the file closed again; a line
+    that is not JSON raises json.JSONDecodeError. skip_unreadable: return (the lines that are JSON
+    objects, how many other non-blank lines were skipped) instead, for a reader that must not fail
+    on a line a kill cut short (report.py)."""
     with open(path, encoding="utf-8") as f:
-        return [json.loads(line) for line in f]
+        if not skip_unreadable:
+            return [json.loads(line) for line in f]
+        records, unreadable = [], 0
+        for line in filter(str.strip, f):
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                record = None
+            if isinstance(record, dict):
+                records.append(record)
+            else:
+                unreadable += 1
+        return records, unreadable
+
+
+def common_prefix_length(sequences, limit=None) -> int:
+    """How many leading items every sequence shares (tokens, or messages as (role, content)
+    keys), at most `limit`: the one copy behind the rollout's shared prompt, the update's shared
+    prefix and the judge's shared block.
+
+    >>> common_prefix_length([[1, 2, 3], [1, 2, 4], [1, 2]])
+    2
+    """
+    length = min(map(len, sequences)) if limit is None else min(limit, *map(len, sequences))
+    first = sequences[0]
+    for other in sequences[1:]:
+        length = next((i for i in range(length) if other[i] != first[i]), length)
+    return length
 
 
 def write_text_atomic(path, text: str):

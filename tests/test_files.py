@@ -37,3 +37,16 @@ def test_atomic_folder_appears_whole_and_replaces_an_older_one(tmp_path):
 def test_cache_dir_follows_the_environment(tmp_path, monkeypatch):
     monkeypatch.setenv("AGENTRL_CACHE", str(tmp_path / "c"))
     assert files.cache_dir() == tmp_path / "c" and (tmp_path / "c").is_dir()
+
+
+def test_read_jsonl_raises_on_a_bad_line_unless_asked_to_skip_and_count(tmp_path):
+    """metrics.jsonl is read strictly (a bad line is an error); the report reads a file a kill may
+    have cut short: it skips lines that are not JSON objects and counts them, blank lines aside."""
+    import json
+    path = tmp_path / "step_0001.jsonl"
+    path.write_text('{"a": 1}\n\n[1]\n{"b": 2}\n{"step": 2, "gro')
+    assert files.read_jsonl(path, skip_unreadable=True) == ([{"a": 1}, {"b": 2}], 2)
+    with pytest.raises(json.JSONDecodeError):
+        files.read_jsonl(path)
+    path.write_text('{"a": 1}\n[1]\n')
+    assert files.read_jsonl(path) == [{"a": 1}, [1]]
