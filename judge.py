@@ -1,47 +1,35 @@
 """The relative judge: an LLM ranks a group of trajectories that attempted the same task.
 
-RULER (OpenPipe, 2025) observed that an LLM is far better at ranking several attempts at one
-task against each other than at scoring one attempt in isolation, and GRPO only needs scores
-that are right *relative to the group* (it subtracts the group mean anyway). So the judge sees
-the whole group in one prompt and returns one score in [0, 1] per trajectory:
+RULER (OpenPipe, 2025): an LLM ranks several attempts at one task against each other far better
+than it scores one attempt alone, and GRPO only needs scores that are right relative to the group.
+So the judge sees the whole group in one prompt and returns one score in [0, 1] per trajectory:
 
     result = score_group([t.messages for t in group.trajectories], HTTPBackend(model="gpt-4.1-mini"))
     result.scores        # [0.9, 0.1, ...] in trajectory order, or None if the group is unscored
 
 What this file adds to RULER:
+1. Trie serialization: the trajectories' messages go into a trie (one node a message), and every
+   branch is printed once, labelled with the ids of the trajectories that share it; trajectory k
+   is every block whose label lists k, top to bottom (`parse_serialized` reads it back).
+   Identical trajectories are scored once and the score copied.
+2. Robust parsing: JSON is dug out of prose or code fences and matched by `trajectory_id`, never
+   by position; a bad reply gets a short correction and another try; if that fails too, the
+   group comes back unscored instead of raising (the trainer then uses correctness alone).
+3. Scores on another scale keep their order: a reply above 1 is corrected once; if the judge
+   insists, its scores are divided by the scale they evidently use (0-10, 0-100), or min-max
+   normalized within the group, and the group is counted as `rescaled`. Negative or non-finite
+   scores, and a mix of scales (0.8 beside 7), are parse errors.
+4. Two backends and a cache: `LocalBackend` runs any Hugging Face causal LM greedily (in
+   train.py, the policy's base model with the LoRA off); `HTTPBackend` speaks the OpenAI
+   `/v1/chat/completions` protocol (OpenAI, vLLM, Ollama, ...) with the standard library only.
+   Results are cached on disk by a hash of (backend, model, prompt).
 
-1. **Trie serialization.** RULER prints the messages common to *all* trajectories once, then
-   each trajectory's remainder in full. Here the trajectories' message lists go into a trie
-   (one node per message: system, user, each assistant turn, each tool observation), and every
-   branch is printed once, labelled with the ids of the trajectories that share it. Eight
-   samples that make the same first two tool calls cost those calls once, not eight times.
-   Trajectory k is read back as every block whose label lists k, top to bottom (a depth-first
-   walk visits a root-to-leaf path in order), which `parse_serialized` does and the tests
-   round-trip. Identical trajectories are scored once and the score copied.
-2. **Robust parsing.** JSON is dug out of prose or code fences and matched by
-   `trajectory_id` (never by position); a bad reply gets a short correction message and
-   another try; if that fails too the group comes back *unscored* instead of raising, so a
-   weak judge never stops training (the trainer falls back to correctness).
-3. **Scores on another scale keep their order.** Judges often answer on 0-10 or 0-100 (small
-   models, prompts copied from elsewhere). Clamping 1, 4, 7, 10 to [0, 1] would make the group
-   all-equal and teach nothing, while only the *order* and spacing within the group matter to
-   GRPO. So a reply above 1 is first corrected like any bad reply; if the judge insists, its
-   scores are divided by the scale they evidently use (all within 10, or within 100), or
-   min-max normalized within the group above that, and the group is counted as `rescaled`.
-   Negative or non-finite scores, and a mix of scales (0.8 beside 7), are parse errors.
-4. **Two backends and a cache.** `LocalBackend` runs any Hugging Face causal LM greedily (in
-   train.py, the policy's own base model with the LoRA switched off); `HTTPBackend` speaks the
-   OpenAI `/v1/chat/completions` protocol (OpenAI, vLLM, Ollama, ...) with the standard library
-   only. Results are cached on disk by a hash of (backend, model, prompt), so re-judging a
-   group is free.
-
-Deliberate simplifications, and why they are safe:
-- The trie is message-level: two assistant turns that differ in one token are two messages.
-  Sharing inside a message would need a diff format no judge reads reliably.
+Simplifications, and why they are safe:
+- The trie is message-level: two turns that differ in one token are two messages.
 - Messages are compared on (role, content) only; extra keys are not part of what is judged.
-- Backoff has no jitter: one trainer talks to one endpoint, there is no thundering herd.
-- A prompt longer than the local model's context is refused (unscored), never truncated:
-  cutting trajectories out of a *relative* judgement would silently rank what was not seen.
+- Backoff has no jitter: one trainer talks to one endpoint.
+- A prompt longer than the local model's context is refused (unscored), never truncated: a
+  relative judgement must see every trajectory it ranks.
 """
 import contextlib
 import hashlib
@@ -57,7 +45,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from files import read_json, write_text_atomic
+from files import common_prefix_length, read_json, write_text_atomic
 
 # ---------------------------------------------------------------- the prompt
 # In RULER's spirit: success dominates, then efficiency, partial credit, proportional gaps.
@@ -154,13 +142,9 @@ def serialize_ruler(conversations: list[list[dict]]) -> str:
 
 
 def shared_prefix_length(conversations: list[list[dict]]) -> int:
-    """How many leading messages every conversation shares: the block that RULER's layout, and the
-    trie's first block, print once for the whole group."""
-    n = 0
-    while all(len(c) > n for c in conversations) and all(
-            _key(c[n]) == _key(conversations[0][n]) for c in conversations):
-        n += 1
-    return n
+    """How many leading messages every conversation shares, compared on (role, content): the block
+    that RULER's layout, and the trie's first block, print once for the whole group."""
+    return common_prefix_length([[_key(m) for m in c] for c in conversations])
 
 
 def _key(message: dict) -> tuple[str, str]:
@@ -403,8 +387,8 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
 
 
 def _read_cache(path: str) -> dict | None:
-    """A cached judgement, or None. A missing or corrupt entry is just a miss, and so is one
-    written before rescaling existed (no "rescaled" key): its scores may have been clamped."""
+    """A cached judgement, or None: a missing or corrupt entry, or one without the "rescaled" key
+    (its scores may have been clamped), is a miss."""
     try:
         entry = read_json(path)
     except (OSError, json.JSONDecodeError):

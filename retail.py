@@ -1,50 +1,42 @@
 """The embedded dataset: a generated retail database, rendered under several schemas, and its
-question set in four tiers.
+question set in four tiers. Data, kept apart from the environment (`sql_env.py`) a reader studies.
 
-This is data, kept apart from the environment (`sql_env.py`) that a reader studies. It makes:
-- the world: a retailer (stores, employees, categories, products, customers, orders,
-  order_items; about 4,500 rows) generated from a seed, byte-identical for the same seed;
-- its renderings: the same rows under several schemas (`RENDERINGS`: table and column names
-  changed, singular/plural, prefixes, snake_case/CamelCase, synonyms such as customers/clients,
-  foreign keys named to match), each its own SQLite file in the cache folder (`files.cache_dir()`).
-  Rendering 0 uses the original names; the last one (`HELD_OUT_RENDERING`) is never trained on;
-- the questions: templates with value slots and several wordings, in four tiers named after
+    database_path(seed=0, rendering=0)   # one rendering's SQLite file, built on first use
+    split_questions("test_schema")       # [(tier, question, gold_sql, rendering), ...]; sql_env.load_tasks wraps them
+
+- The world: a retailer (stores, employees, categories, products, customers, orders,
+  order_items; about 4,500 rows) generated from a seed, byte-identical for the same seed.
+- Its renderings (`RENDERINGS`): the same rows under other table and column names (singular or
+  plural, prefixes, snake_case or CamelCase, synonyms such as customers/clients, foreign keys
+  named to match), each its own SQLite file in `files.cache_dir()`. Rendering 0 uses the original
+  names; the last (`HELD_OUT_RENDERING`) is never trained on.
+- The questions: templates with value slots and several wordings, in four tiers named after
   Spider's hardness levels (easy = one table; medium = an aggregate, a join or two conditions;
   hard = GROUP BY / ORDER BY / LIMIT / HAVING; extra = a nested query or two joins).
 
-The SQL templates name tables and columns with markers, not names: `[customers]` is a table,
-`[customers.city]` a column written bare, `[c.city]` a column under the alias that the template
-declares with `[customers] AS c`. `resolve` writes one rendering's names into a template, and
-only then are the value slots (`{city}`) filled, so every question's gold SQL exists for every
-rendering, made from the template, never by editing a finished query. The schema itself
-(`SCHEMA`) is written with the same markers.
+SQL templates name tables and columns with markers: `[customers]` is a table, `[customers.city]`
+a column written bare, `[c.city]` a column under the alias the template declares with
+`[customers] AS c`. `resolve` writes one rendering's names into a template before the value slots
+(`{city}`) are filled, so every gold query exists for every rendering, never made by editing a
+finished query. `SCHEMA` is written with the same markers.
 
 The splits (`SPLITS`):
-- train: every train question on one training rendering, assigned in turn along the seeded
-  shuffle (so the split keeps its size and each rendering gets a quarter of it);
-- test: held out three ways, on rendering 0 (today's names): every template's last wording,
-  every fourth value of each value domain (cities, products, years, prices, ...), and a few whole
-  templates that combine skills seen separately in train are used only in test;
-- test_schema: the test questions again, on the held-out rendering, whose table names appear
-  in no training rendering: what an agent that reads the schema, rather than remembering one,
-  can still answer;
-- train_mixed: train's questions again, spread over the four training renderings and 28
-  generated ones (`MIXED_RENDERINGS`): each table's words drawn from a training rendering, the
-  names restyled and, in 21 of the 28, the table names prefixed (dw_clients, DwTblProduct), so
-  that no one schema can be recalled. Rendering 0, which test uses, gets 1/32 of it, not 1/4;
+- train: every train question on one training rendering, in turn along the seeded shuffle;
+- test: held out three ways, on rendering 0: every template's last wording, every fourth value of
+  each value domain, and a few templates that combine skills seen separately in train;
+- test_schema: the test questions on the held-out rendering, whose table names appear in no
+  training rendering: what an agent that reads the schema can still answer;
+- train_mixed: train's questions spread over the four training renderings and 28 generated ones
+  (`MIXED_RENDERINGS`: each table's words from a training rendering, restyled, in 21 of the 28
+  prefixed, as dw_clients or DwTblProduct), so that no one schema can be recalled;
 - train_wide: the same over 28 other generated renderings (`WIDE_RENDERINGS`) in which three
-  tables in four are renamed with a word no hand-written rendering uses (`TABLE_WORDS`: patrons,
-  merchandise, invoices), their columns unchanged: the question says "customers", and the table
-  that holds them has to be found by its columns, as on the held-out schema.
-Every gold query is run when the set is generated (about a second) and kept only if its answer
-is non-empty, short, and the same whichever way ties are broken (`is_clear`).
+  tables in four are renamed with a word no hand-written rendering uses (`TABLE_WORDS`), their
+  columns unchanged: the table has to be found by its columns, as on the held-out schema.
+Every gold query is run when the set is generated and kept only if its answer is non-empty,
+short, and the same whichever way ties are broken (`is_clear`).
 
-    database_path(seed=0, rendering=0)   # one rendering's SQLite file, built on first use
-    split_questions("test_schema")      # [(tier, question, gold_sql, rendering), ...]; sql_env.load_tasks wraps them
-
-It imports nothing of the project's but `files`: `sql_env.load_tasks` turns these questions
-into `Task`s. The database is our own, so this module reads it with plain sqlite3, not
-through the agent's sandbox.
+It imports nothing of the project's but `files`. The database is our own, so this module reads
+it with plain sqlite3, not through the agent's sandbox.
 """
 import functools
 import itertools

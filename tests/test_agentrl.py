@@ -190,7 +190,7 @@ def test_rollout_prompt_prefix_encoded_once(scripted, smol_tokenizer):
 
 
 def test_flush_counters_hold_the_prompts_and_tool_messages(scripted):
-    """The flushes' forwards (bench.py eval's "where the time goes") feed the prompts (the shared
+    """The flushes' forwards (`python -m bench eval`'s "where the time goes") feed the prompts (the shared
     prefix, then each row's rest), every tool message with the next assistant header, and the last
     token of each turn that goes on (sampled, not yet in the cache); the decode forwards feed every
     other sampled token but each row's last, which ends the row unfed. One token a forward here.
@@ -456,24 +456,21 @@ def test_real_environment_round_trip(tiny_llama, smol_tokenizer):
 
 def demo_tasks():
     """Train tasks for demonstrations: a one-table and a two-table query, each on a non-original
-    rendering (a recover demonstration misnames a table of each)."""
+    rendering."""
     import sql_env
     tasks = [t for t in sql_env.load_tasks()[:100] if "plain" not in t.db_path]
-    return [next(t for t in tasks if len(sql_env.tables_read(t.db_path, t.gold_sql)) == k
-                 and len(agentrl.gold_turns(t, "recover")) == 4) for k in (1, 2)]
+    return [next(t for t in tasks if len(sql_env.tables_read(t.db_path, t.gold_sql)) == k) for k in (1, 2)]
 
 
-@pytest.mark.parametrize("kind,tok,demos", [("llama", "smol_tokenizer", "look"), ("llama", "smol_tokenizer", "plain"),
-                                            ("llama", "smol_tokenizer", "recover"), ("qwen2", "qwen_tokenizer", "look"),
-                                            ("qwen2", "qwen_tokenizer", "recover")])
-def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, demos, tiny_model_factory, request):
+@pytest.mark.parametrize("kind,tok", PAIRS)
+def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, tiny_model_factory, request):
     """SFT demonstrations must carry exactly the tokens and masks a rollout of the same actions
-    records, or the warm start teaches a format the policy never sees while sampling: for every
-    kind of demonstration (describe_table observations, an error observation and its fix)."""
+    records, or the warm start teaches a format the policy never sees while sampling (with the
+    describe_table observations between the calls)."""
     tokenizer = request.getfixturevalue(tok)
     tasks = demo_tasks()
     limits = agentrl.Limits(max_turns=5, max_new_tokens=160)
-    turns = [agentrl.gold_turns(task, demos, limits.max_turns) for task in tasks]
+    turns = [agentrl.gold_turns(task, limits.max_turns) for task in tasks]
     groups = agentrl.rollout_groups(tiny_model_factory(kind), tokenizer, tasks, 1, agentrl.Sampling(seed=0), limits,
                                     forced_turns=turns)
     for task, task_turns, group in zip(tasks, turns, groups):
@@ -484,211 +481,43 @@ def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, demos, tiny_mo
         assert scripted.messages == rolled.messages
         assert (scripted.num_describe_calls, scripted.failed_submission) == (rolled.num_describe_calls, False)
         assert scripted.correct and rolled.correct and scripted.stop_reason == "submitted"
-        assert scripted.num_turns == len(task_turns) == {"plain": 3, "look": 3 + scripted.num_describe_calls,
-                                                         "recover": 4}[demos]
-
-
-# ----------------------------------------------------------------------------- the KV cache
-def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
-    """KVCache through the engine's operations: three rows join from a one-row prefix cache and are
-    fed different rests of prompt (right-aligned, with holes), decode past the preallocated
-    capacity (so it grows), one row is dropped, a hole column is fed, the cache is packed (hole
-    columns cut), a third row joins after the pack, and a row is copied into a fourth (one row
-    more than the cache holds: it grows). Every row's logits equal a fresh forward over that row's
-    real tokens."""
-    torch.manual_seed(0)
-    forward = agentrl._Forward(tiny_llama)
-    prefix_ids, rests = [5, 9, 300], [[41, 7, 88], [12], [6, 6]]
-    prefix, cache = agentrl.KVCache(tiny_llama.config), agentrl.KVCache(tiny_llama.config, capacity=8)
-
-    def check(logits, rows, fed):
-        for b, row in enumerate(rows):
-            if fed[b]:
-                fresh = tiny_llama(input_ids=torch.tensor([row])).logits[0, -1]
-                torch.testing.assert_close(logits[b], fresh, rtol=1e-4, atol=1e-4)
-
-    with torch.no_grad():
-        forward(torch.tensor([prefix_ids]), torch.ones(1, 3, dtype=torch.long), prefix)
-        cache.add_rows(prefix, 3)
-        rows = [prefix_ids + rest for rest in rests]
-        ids = torch.tensor([rests[0], [0, 0] + rests[1], [0] + rests[2]])
-        mask = torch.tensor([[1] * 6, [1, 1, 1, 0, 0, 1], [1, 1, 1, 0, 1, 1]])
-        check(forward(ids, mask, cache)[:, -1], rows, [1, 1, 1])
-        for step in range(12):
-            new = torch.randint(0, 1000, (len(rows), 1))
-            if step == 3:                               # drop row 1
-                keep = torch.tensor([0, 2])
-                cache.batch_select_indices(keep)
-                mask, rows, new = mask[keep], [rows[i] for i in keep], new[keep]
-            fed = torch.ones(len(rows), 1, dtype=torch.long)
-            if step == 5:                               # a column of holes in every row
-                fed[:] = 0
-            if step == 6:                               # and one more in row 1 (which has one from its prompt)
-                fed[1] = 0
-            if step == 8:                               # pack: row 0 has one hole, so one column goes
-                order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :int(mask.sum(1).max())]
-                cache.pack(order, order.shape[1])
-                width = mask.shape[1]
-                mask = (torch.arange(order.shape[1]) < mask.sum(1)[:, None]).long()
-                assert width - mask.shape[1] == 1 and cache.get_seq_length() == mask.shape[1]
-            if step == 9:                               # a new row joins: the prefix, then holes
-                cache.add_rows(prefix, 1)
-                joined = (torch.arange(mask.shape[1]) < 3).long()[None]
-                mask, rows = torch.cat([mask, joined]), rows + [list(prefix_ids)]
-                new, fed = torch.cat([new, torch.tensor([[77]])]), torch.cat([fed, torch.ones(1, 1, dtype=torch.long)])
-            if step == 10:                              # row 1 copied into a new last row (a shared history)
-                index = torch.tensor([0, 1, 2, 1])
-                cache.batch_select_indices(index)
-                mask, rows, fed = mask[index], [list(rows[i]) for i in index], fed[index]
-                new = torch.randint(0, 1000, (len(rows), 1))
-            mask = torch.cat([mask, fed], dim=1)
-            logits = forward(new, mask, cache)[:, -1]
-            for b, row in enumerate(rows):
-                if fed[b]:
-                    row.append(int(new[b]))
-            check(logits, rows, fed[:, 0])
-    assert cache.layers[0].keys.shape[-2] >= mask.shape[1] > 8, "the cache grew past its first capacity"
+        assert scripted.num_turns == len(task_turns) == 3 + scripted.num_describe_calls
 
 
 def test_demonstrations_count_what_they_show(smol_tokenizer):
-    """The behaviour counters on scripted trajectories: a look demonstration describes each table
-    its query reads, within the turn budget; a recover demonstration gets one error, fixes it,
-    and submits a query that runs; a trajectory that submits a failing query is counted as a
-    failed submission. Turns to submission are the demonstration's length."""
+    """The behaviour counters on scripted trajectories: a demonstration describes each table its
+    query reads, within the turn budget, and submits a query that runs; a trajectory that submits a
+    failing query is counted as a failed submission. Turns to submission are the demonstration's
+    length."""
     import sql_env
     one, two = demo_tasks()
     for task, tables in [(one, 1), (two, 2)]:
-        look = agentrl.demonstration(smol_tokenizer, task, "look", agentrl.Limits(max_turns=6))
+        look = agentrl.demonstration(smol_tokenizer, task, agentrl.Limits(max_turns=6))
         assert look.num_describe_calls == tables and look.num_turns == 3 + tables and look.num_tool_errors == 0
         assert not look.failed_submission and look.correct
-    budget = agentrl.demonstration(smol_tokenizer, two, "look", agentrl.Limits(max_turns=4))
+    budget = agentrl.demonstration(smol_tokenizer, two, agentrl.Limits(max_turns=agentrl.DEMO_TURNS))
     assert budget.num_describe_calls == 1 and budget.num_turns == 4
     described = sql_env.tables_read(two.db_path, two.gold_sql)[0]
     assert f'"table": "{described}"' in budget.messages[-6]["content"]
-    recover = agentrl.demonstration(smol_tokenizer, two, "recover", agentrl.Limits(max_turns=4))
-    assert recover.num_tool_errors == 1 and recover.num_turns == 4 and recover.num_describe_calls == 0
-    assert "no such table" in recover.messages[-5]["content"] and not recover.failed_submission and recover.correct
-    wrong = json.loads(agentrl.TOOL_CALL_RE.search(recover.messages[-6]["content"]).group(1))["arguments"]["query"]
-    failing = agentrl.scripted_trajectory(smol_tokenizer, two, [agentrl.gold_turns(two, "plain")[0],
-                                                                '<tool_call>' + json.dumps({"name": "submit_answer",
-                                                                "arguments": {"query": wrong}}) + '</tool_call>'])
+    wrong = "SELECT COUNT(*) FROM no_such_table"
+    failing = agentrl.scripted_trajectory(smol_tokenizer, two, [agentrl.gold_turns(two)[0],
+                                                                agentrl.tool_call_text("submit_answer", {"query": wrong})])
     assert failing.failed_submission and not failing.correct and failing.stop_reason == "submitted"
 
 
-def test_recover_demonstration_trains_on_the_fix_not_the_slip(smol_tokenizer):
-    """The warm start imitates only the turns that did not get an error back: the misnamed query's
-    tokens carry mask 0, every other turn's are trained exactly as a rollout records them."""
-    task = demo_tasks()[1]
-    limits = agentrl.Limits(max_turns=4)
-    turns = agentrl.gold_turns(task, "recover")
-    full = agentrl.scripted_trajectory(smol_tokenizer, task, turns, limits)
-    demo = agentrl.demonstration(smol_tokenizer, task, "recover", limits)
-    assert demo.token_ids == full.token_ids
-    trained = smol_tokenizer.decode([t for t, m in zip(demo.token_ids, demo.assistant_mask) if m])
-    assert trained == turns[0] + turns[2] + turns[3] and turns[1] not in trained
-
-
-# ----------------------------------------------------------------------------- asking a trained agent
-@pytest.fixture
-def shop_db(tmp_path):
-    """A small database the agent has never seen, and its bytes' hash to check it is left as it was."""
-    import hashlib
-    import sqlite3
-    path = tmp_path / "shop.sqlite"
-    con = sqlite3.connect(path)
-    con.executescript("CREATE TABLE customers (id INTEGER PRIMARY KEY, name TEXT);"
-                      "CREATE TABLE orders (id INTEGER PRIMARY KEY, customer_id INT REFERENCES customers(id), total REAL);"
-                      "INSERT INTO customers VALUES (1, 'Ann'), (2, 'Bo');"
-                      "INSERT INTO orders VALUES (1, 1, 9.5), (2, 1, 20), (3, 2, 4);")
-    con.close()
-    digest = lambda: hashlib.sha256(path.read_bytes()).hexdigest()   # noqa: E731
-    return str(path), digest, digest()
-
-
-ASK = ["--max-turns", "3", "--max-new-tokens", "24"]
-
-
-def test_ask_one_question_ends_with_a_clear_no_answer(tiny_model_dir, shop_db, capsys):
-    """A random tiny model writes no tool call: the episode still prints, and ends with one line
-    saying there is no answer and why; the database is byte-identical afterwards."""
-    db, digest, before = shop_db
-    [trajectory] = agentrl.main(["--db", db, "--model", tiny_model_dir, *ASK, "How many orders are there?"])
-    out = capsys.readouterr().out.splitlines()
-    assert out[0].startswith(f"database: {db} (2 tables)") and out[1] == "question: How many orders are there?"
-    assert trajectory.submitted_sql is None
-    assert out[-1] == "no answer: " + agentrl.NO_ANSWER[trajectory.stop_reason]
-    assert digest() == before
-
-
-def test_ask_prints_tool_calls_as_they_happen_and_the_answer_rows(tiny_model_dir, shop_db, capsys, monkeypatch):
-    """Scripted turns (the engine's forced_turns hook) stand in for a trained model: each tool call
-    and a short view of its observation is printed while the episode runs (before the rollout
-    returns), then the submitted query and its rows, run again in the sandbox. The database is
-    byte-identical afterwards, though the agent ran queries (and tried to write)."""
-    db, digest, before = shop_db
-    turns = [agentrl.tool_call_text("list_tables", {}),
-             agentrl.tool_call_text("run_sql", {"query": "DELETE FROM orders"}),
-             agentrl.tool_call_text("submit_answer", {"query": "SELECT COUNT(*) FROM orders"})]
-    real = agentrl.rollout_groups
-
-    def scripted(*args, **kw):
-        groups = real(*args, forced_turns=[turns], **kw)
-        print("ROLLOUT RETURNED")
-        return groups
-    monkeypatch.setattr(agentrl, "rollout_groups", scripted)
-    [trajectory] = agentrl.main(["--db", db, "--model", tiny_model_dir, "--max-new-tokens", "48", "How many orders are there?"])
-    out = capsys.readouterr().out
-    assert trajectory.stop_reason == "submitted" and trajectory.submitted_sql == "SELECT COUNT(*) FROM orders"
-    calls = ["   1. list_tables", "customers: id, name", "   2. run_sql  DELETE FROM orders", "Error: not allowed",
-             "   3. submit_answer  SELECT COUNT(*) FROM orders", "ROLLOUT RETURNED",
-             "answer: SELECT COUNT(*) FROM orders\n  COUNT(*)\n  3\n  (1 row)"]
-    positions = [out.find(text) for text in calls]
-    assert -1 not in positions and positions == sorted(positions), out
-    assert digest() == before
-
-
-def test_ask_reads_questions_until_end_of_input(tiny_model_dir, shop_db, capsys, monkeypatch):
-    """Without a question on the command line, questions come from standard input, one a line,
-    blank lines skipped, until it ends."""
-    import io
-    db, digest, before = shop_db
-    monkeypatch.setattr("sys.stdin", io.StringIO("How many customers are there?\n\nWhat is the largest order?\n"))
-    trajectories = agentrl.main(["--db", db, "--model", tiny_model_dir, *ASK])
-    out = capsys.readouterr().out
-    assert len(trajectories) == 2
-    assert out.index("question: How many customers are there?") < out.index("question: What is the largest order?")
-    assert out.count("no answer: ") == 2 and digest() == before
-
-
-def test_ask_with_a_run_folder_uses_its_final_adapter(tiny_model_dir, shop_db, tmp_path, capsys):
-    """--adapter takes a run folder (train.py --out) and finds its final adapter; the base model is
-    the one the adapter records, so --model is not needed."""
-    model, _ = lora.load_model(tiny_model_dir)
-    lora.apply_lora(model, r=4, alpha=8)
-    lora.save_adapter(model, tmp_path / "run" / "final")
-    agentrl.main(["--db", shop_db[0], "--adapter", str(tmp_path / "run"), *ASK, "How many orders are there?"])
-    header = capsys.readouterr().out.splitlines()[0]
-    assert f"model: {tiny_model_dir}" in header and f"adapter: {tmp_path / 'run' / 'final'}" in header
-
-
-@pytest.mark.parametrize("case, message", [
-    ("missing", "no database file at"),
-    ("not_sqlite", "is not a SQLite database"),
-    ("no_tables", "holds no tables"),
-    ("no_adapter", "no adapter there"),
-])
-def test_ask_bad_input_is_one_clear_line_before_any_model_loads(case, message, tmp_path, shop_db, monkeypatch):
-    """A missing file, a non-SQLite file, an empty database or a folder with no adapter: one line
-    naming the problem, no traceback, no model loaded, and the file left as it was."""
-    import sqlite3
-    monkeypatch.setattr(lora, "load_model", lambda *a, **kw: pytest.fail("a model was loaded"))
-    paths = {"missing": tmp_path / "nope.sqlite", "not_sqlite": tmp_path / "notes.sqlite",
-             "no_tables": tmp_path / "empty.sqlite", "no_adapter": shop_db[0]}
-    (tmp_path / "notes.sqlite").write_text("not a database")
-    sqlite3.connect(tmp_path / "empty.sqlite").execute("PRAGMA user_version = 1").connection.close()
-    before = {p: p.read_bytes() for p in tmp_path.glob("*.sqlite")}
-    extra = ["--adapter", str(tmp_path)] if case == "no_adapter" else []
-    with pytest.raises(SystemExit) as e:
-        agentrl.main(["--db", str(paths[case]), *extra, "How many orders are there?"])
-    assert str(e.value).startswith("error: ") and message in str(e.value) and "\n" not in str(e.value)
-    assert {p: p.read_bytes() for p in tmp_path.glob("*.sqlite")} == before
+def test_a_demonstration_does_not_imitate_a_turn_the_tool_refused(smol_tokenizer):
+    """A gold query whose result is too large for run_sql (a Spider or BIRD query can be) gets an
+    error observation; the warm start must not learn to write that turn, only the others."""
+    import dataclasses
+    task = demo_tasks()[0]
+    huge = "WITH RECURSIVE r(i) AS (SELECT 1 UNION ALL SELECT i + 1 FROM r WHERE i < 20) SELECT hex(zeroblob(40000)) FROM r"
+    task = dataclasses.replace(task, gold_sql=huge)
+    demo = agentrl.demonstration(smol_tokenizer, task, agentrl.Limits(max_turns=agentrl.DEMO_TURNS, max_new_tokens=160))
+    scripted = agentrl.scripted_trajectory(smol_tokenizer, task, agentrl.gold_turns(task, agentrl.DEMO_TURNS),
+                                           agentrl.Limits(max_turns=agentrl.DEMO_TURNS, max_new_tokens=160))
+    assert demo.messages[-3]["content"].startswith("Error:")   # run_sql's answer, before the submit
+    mask = scripted.assistant_mask
+    starts = [i for i, m in enumerate(mask) if m and (i == 0 or not mask[i - 1])]   # each sampled turn's first token
+    kept = [bool(demo.assistant_mask[i]) for i in starts]
+    assert len(starts) == len(sampled_runs(mask)) and sum(demo.assistant_mask) < sum(mask)
+    assert kept == [True] * (len(starts) - 2) + [False, True]   # only the refused run_sql turn is cleared

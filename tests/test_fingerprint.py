@@ -83,7 +83,7 @@ def test_one_sft_step_gives_the_recorded_loss_gradient_and_adapter(splits, smol_
     torch.manual_seed(0)
     params = lora.apply_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
     limits = agentrl.Limits(max_turns=4, max_new_tokens=128, max_context=2048)
-    demos = [agentrl.demonstration(smol_tokenizer, task, "look", limits) for task in splits["train"][:2]]
+    demos = [agentrl.demonstration(smol_tokenizer, task, limits) for task in splits["train"][:2]]
     optimizer = torch.optim.AdamW(params, lr=1e-3)
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     stats = grpo.sft_step(model, optimizer, demos, grpo.GRPOConfig(micro_batch_size=1, gradient_checkpointing=True),

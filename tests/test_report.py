@@ -153,7 +153,7 @@ def test_untrusted_text_shows_as_text(tiny_run, tmp_path):
     records[0]["judge_explanation"] = evil
     records[0]["submitted_sql"] = evil
     path.write_text("".join(json.dumps(r) + "\n" for r in records))
-    train.main(["--report", str(run)])
+    report.main([str(run)])
     page = parse(run / "report.html")
     assert "script" not in page.tags
     [first] = page.root.find_all(lambda n: n.attrs.get("id") == "s0001-g1-t1")
@@ -175,9 +175,9 @@ def test_a_line_cut_short_is_skipped_and_counted(tiny_run, tmp_path):
 
 
 def test_report_of_a_folder_that_is_not_a_run_is_a_clear_error(tmp_path):
-    """--report on a folder without metrics.jsonl says so, and writes nothing."""
+    """`python report.py` on a folder without metrics.jsonl says so, and writes nothing."""
     with pytest.raises(SystemExit, match="not a run folder"):
-        train.main(["--report", str(tmp_path)])
+        report.main([str(tmp_path)])
     assert list(tmp_path.iterdir()) == []
 
 
