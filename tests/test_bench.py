@@ -1,4 +1,6 @@
-"""Tests for the statistics bench.py's learning claims rest on, on examples whose answer is known.
+"""Tests for the bench package: the statistics its learning claims rest on, on examples whose
+answer is known; the instruments of its speed figures; each train.py-driven benchmark end to end
+on the tiny model; and its place in the layout (the core never imports it).
 
 Run: python -m pytest -q tests/test_bench.py
 """
@@ -10,8 +12,9 @@ import time
 
 import pytest
 
-import bench
 import train
+from bench import common, engine, learn, update
+from bench.__main__ import main
 from files import read_json, read_jsonl
 
 
@@ -20,7 +23,7 @@ def test_paired_difference_on_a_known_example():
     p = 2 * 0.5^10, and a 95% interval that excludes 0 and holds 0.10 (its sd is about 3 points)."""
     before = [1] * 30 + [0] * 70
     after = [1] * 40 + [0] * 60
-    mean, (low, high), p = bench.paired_difference(before, after)
+    mean, (low, high), p = learn.paired_difference(before, after)
     assert mean == pytest.approx(0.10) and p == pytest.approx(2 / 1024)
     assert 0.02 < low < 0.10 < high < 0.18
 
@@ -30,13 +33,13 @@ def test_paired_difference_sees_no_gain_when_gains_and_losses_cancel():
     The same accuracies unpaired would say nothing either, but pairing is what makes it exact."""
     before = [1] * 10 + [0] * 10 + [1] * 20 + [0] * 60
     after = [0] * 10 + [1] * 10 + [1] * 20 + [0] * 60
-    mean, (low, high), p = bench.paired_difference(before, after)
+    mean, (low, high), p = learn.paired_difference(before, after)
     assert mean == 0 and low < 0 < high and p == pytest.approx(1.0)
 
 
 def test_paired_difference_needs_the_same_tasks():
     with pytest.raises(AssertionError, match="paired"):
-        bench.paired_difference([1, 0], [1])
+        learn.paired_difference([1, 0], [1])
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -44,16 +47,16 @@ def test_paired_difference_needs_the_same_tasks():
     (4, 2, 2, 1 - 1 / 6),          # C(2, 2) / C(4, 2): both draws among the 2 wrong ones
 ])
 def test_pass_at_k(n, c, k, expected):
-    assert bench.pass_at_k(n, c, k) == pytest.approx(expected)
+    assert learn.pass_at_k(n, c, k) == pytest.approx(expected)
 
 
 def test_chosen_variants_keep_the_order_asked_and_refuse_unknown_names():
     from types import SimpleNamespace
     variants = {"a": 1, "b": 2, "c": 3}
-    assert bench.chosen_variants(SimpleNamespace(variants=None), variants) == ["a", "b", "c"]
-    assert bench.chosen_variants(SimpleNamespace(variants="c,a"), variants) == ["c", "a"]
+    assert common.chosen_variants(SimpleNamespace(variants=None), variants) == ["a", "b", "c"]
+    assert common.chosen_variants(SimpleNamespace(variants="c,a"), variants) == ["c", "a"]
     with pytest.raises(SystemExit, match="unknown"):
-        bench.chosen_variants(SimpleNamespace(variants="a,z"), variants)
+        common.chosen_variants(SimpleNamespace(variants="a,z"), variants)
 
 
 def test_a_cluster_bootstrap_widens_the_interval_of_gains_from_one_template():
@@ -64,21 +67,21 @@ def test_a_cluster_bootstrap_widens_the_interval_of_gains_from_one_template():
     templates = [f"t{k // 10}" for k in range(100)]
     before = [0] * 100
     one = [1] * 10 + [0] * 90
-    _, (low, high), _ = bench.paired_difference(before, one)
+    _, (low, high), _ = learn.paired_difference(before, one)
     assert 0.03 < low < 0.10 < high
-    mean, (low, high), _ = bench.paired_difference(before, one, clusters=templates)
+    mean, (low, high), _ = learn.paired_difference(before, one, clusters=templates)
     assert mean == pytest.approx(0.10) and low == 0.0 and high > 0.2
     spread = [1 if k % 10 == 0 else 0 for k in range(100)]
-    _, (low, high), _ = bench.paired_difference(before, spread, clusters=templates)
+    _, (low, high), _ = learn.paired_difference(before, spread, clusters=templates)
     assert low == pytest.approx(0.10) and high == pytest.approx(0.10)
 
 
 def test_query_template_keeps_the_query_and_blanks_its_values():
     one = "SELECT COUNT(*) FROM orders WHERE city = 'Lyon' AND total > 180.5 AND name = 'O''Brien'"
     other = "SELECT COUNT(*) FROM orders WHERE city = 'Paris' AND total > 80 AND name = 'Smith'"
-    assert bench.query_template(one) == bench.query_template(other) == \
+    assert learn.query_template(one) == learn.query_template(other) == \
         "SELECT COUNT(*) FROM orders WHERE city = ? AND total > ? AND name = ?"
-    assert bench.query_template("SELECT t2.x FROM t2") == "SELECT t2.x FROM t2"    # names keep their digits
+    assert learn.query_template("SELECT t2.x FROM t2") == "SELECT t2.x FROM t2"    # names keep their digits
 
 
 def test_template_moves_names_the_templates_a_difference_comes_from():
@@ -87,14 +90,14 @@ def test_template_moves_names_the_templates_a_difference_comes_from():
     templates = {0: "A", 1: "A", 2: "A", 3: "B", 4: "B", 5: "C", 6: "C", 9: "C"}
     before = {0: 0, 1: 0, 2: 0, 3: 1, 4: 0, 5: 1, 6: 0, 9: 1}
     after = {0: 1, 1: 1, 2: 1, 3: 0, 4: 1, 5: 1, 6: 0}
-    lines = bench.template_moves(before, after, templates).splitlines()
+    lines = learn.template_moves(before, after, templates).splitlines()
     assert lines == ["templates moved: 2 of 3, most:", "  +3/-0 of 3  A", "  +1/-1 of 2  B"]
-    assert bench.template_moves(before, before, templates) == "templates moved: 0 of 3"
-    assert bench.template_moves(before, after, templates, most=1).splitlines()[1:] == ["  +3/-0 of 3  A"]
+    assert learn.template_moves(before, before, templates) == "templates moved: 0 of 3"
+    assert learn.template_moves(before, after, templates, most=1).splitlines()[1:] == ["  +3/-0 of 3  A"]
 
 
 def _evaluation(step, outcomes_by_split, ids_by_split):
-    """An evaluation record as train.evaluate_splits writes it: eval_* for the first split, SPLIT_* after."""
+    """An evaluation record as evaluate.evaluate_splits writes it: eval_* for the first split, SPLIT_* after."""
     record = {"step": step, "eval_split": next(iter(outcomes_by_split))}
     for i, (split, outcomes) in enumerate(outcomes_by_split.items()):
         prefix = "eval" if i == 0 else split
@@ -118,11 +121,11 @@ def test_pair_compares_the_last_evaluation_of_a_run_with_an_eval_only_folder(spl
     (run / "config.json").write_text(json.dumps({"data": "default"}))
     (only / "eval_only.json").write_text(json.dumps({"adapter": "x", "data": "default",
                                                      **_evaluation(0, {"test": "1" * 10}, ids)}) + "\n")
-    bench.bench_pair(SimpleNamespace(paths=[str(run), str(only)]))
+    learn.bench_pair(SimpleNamespace(paths=[str(run), str(only)]))
     out = capsys.readouterr().out
     # before: 4 of the shared 10 solved; after: all 10, so 6 gained, none lost, +60 points, p = 2 / 2^6
     assert "test: 0.400 -> 1.000 on 10 tasks: +60.0 points" in out and "6 gained, 0 lost" in out
-    templates = len({bench.query_template(t.gold_sql) for t in splits["test"][:10]})
+    templates = len({learn.query_template(t.gold_sql) for t in splits["test"][:10]})
     assert f"by template ({templates} templates)" in out
     assert f"p={2 / 64:.3f}" in out and "test_schema" not in out
     assert "(20 tasks)" in out and "(10 tasks)" in out      # failed-submission rates are each of their own tasks
@@ -138,7 +141,7 @@ def test_pair_of_several_runs_averages_them_task_by_task(splits, tmp_path, capsy
     for name, outcomes in (("start", "0000000011"), ("seed0", "1111000011"), ("seed1", "1100000000")):
         folders[name].mkdir()
         (folders[name] / "eval_only.json").write_text(json.dumps({"data": "default", **_evaluation(0, {"test": outcomes}, ids)}) + "\n")
-    bench.bench_pair(SimpleNamespace(paths=[str(folders[n]) for n in ("start", "seed0", "seed1")]))
+    learn.bench_pair(SimpleNamespace(paths=[str(folders[n]) for n in ("start", "seed0", "seed1")]))
     out = capsys.readouterr().out
     assert "0.200 -> 0.600 on 10 tasks: +40.0 points" in out and "4 gained, 0 lost" in out
     assert "0.200 -> 0.200 on 10 tasks: +0.0 points" in out and "2 gained, 2 lost" in out
@@ -147,7 +150,7 @@ def test_pair_of_several_runs_averages_them_task_by_task(splits, tmp_path, capsy
     assert "the runs: +40.0, +0.0 (spread 40.0)" in out
     start = [0] * 8 + [1, 1]
     mean_after = [1, 1, 0.5, 0.5, 0, 0, 0, 0, 0.5, 0.5]
-    _, (low, high), _ = bench.paired_difference(start, mean_after)     # the interval of the averaged outcomes
+    _, (low, high), _ = learn.paired_difference(start, mean_after)     # the interval of the averaged outcomes
     assert f"[{100 * low:+.1f}, {100 * high:+.1f}] by task" in out.splitlines()[-1]
 
 
@@ -161,13 +164,13 @@ def test_pair_refuses_what_it_cannot_pair(splits, tmp_path):
         folder.mkdir()
         (folder / "eval_only.json").write_text(json.dumps(record) + "\n")
     with pytest.raises(SystemExit, match="no split evaluated in all"):
-        bench.bench_pair(SimpleNamespace(paths=[str(a), str(b)]))
+        learn.bench_pair(SimpleNamespace(paths=[str(a), str(b)]))
     with pytest.raises(SystemExit, match="different data"):
-        bench.bench_pair(SimpleNamespace(paths=[str(a), str(c)]))
+        learn.bench_pair(SimpleNamespace(paths=[str(a), str(c)]))
     with pytest.raises(SystemExit, match="no evaluation there"):
-        bench.bench_pair(SimpleNamespace(paths=[str(a), str(tmp_path / "missing")]))
+        learn.bench_pair(SimpleNamespace(paths=[str(a), str(tmp_path / "missing")]))
     with pytest.raises(SystemExit, match="two evaluations"):
-        bench.bench_pair(SimpleNamespace(paths=[str(a)]))
+        learn.bench_pair(SimpleNamespace(paths=[str(a)]))
 
 
 def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_llama):
@@ -178,7 +181,7 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
     ids = torch.randint(0, 100, (4, 24))
     start = time.perf_counter()
     with torch.no_grad():
-        parts = bench.profiled_seconds(lambda: tiny_llama(input_ids=ids, attention_mask=torch.ones_like(ids)),
+        parts = engine.profiled_seconds(lambda: tiny_llama(input_ids=ids, attention_mask=torch.ones_like(ids)),
                                        {"matmuls": "aten::linear", "attention": "aten::scaled_dot_product_attention",
                                         "absent": "aten::no_such_op"})
     wall = time.perf_counter() - start
@@ -187,24 +190,24 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
 
 
 def test_forward_work_counts_the_flops_torch_counts(tiny_llama):
-    """The floor's FLOPs (bench.forward_work, from the engine's counters) are the ones torch's FLOP
+    """The floor's FLOPs (engine.forward_work, from the engine's counters) are the ones torch's FLOP
     counter sees in the same forwards: a 120-token prompt fed to 3 rows as a flush, then one token a
     row against the cache (norm weights count as matmul weights: well under 1%). Eager attention,
     whose matmuls the counter sees (it counts nothing for SDPA on a CPU)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    import agentrl
+    import kvcache
     tiny_llama.set_attn_implementation("eager")
-    forward, cache = agentrl._Forward(tiny_llama), agentrl.KVCache(tiny_llama.config)
+    forward, cache = kvcache.CachedForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
     mask = torch.ones((3, 120), dtype=torch.long)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
         forward(torch.randint(0, 100, (3, 120)), mask, cache, flush=True)
         forward(torch.randint(0, 100, (3, 1)), torch.cat([mask, torch.ones((3, 1), dtype=torch.long)], 1), cache)
     stats = {**forward.counters, **{"flush_" + k: v for k, v in forward.flushes.items()}}
-    work, flush = bench.forward_work(tiny_llama, stats), bench.forward_work(tiny_llama, stats, "flush_")
+    work, flush = engine.forward_work(tiny_llama, stats), engine.forward_work(tiny_llama, stats, "flush_")
     assert work["matmul_flops"] + work["attention_flops"] == pytest.approx(counter.get_total_flops(), rel=0.005)
     assert 0 < flush["matmul_flops"] < work["matmul_flops"] and 0 < flush["attention_flops"] < work["attention_flops"]
-    assert bench.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
+    assert engine.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
 
 
 def test_weight_stream_rates_read_the_weights_a_decode_forward_multiplies(tiny_llama):
@@ -216,62 +219,62 @@ def test_weight_stream_rates_read_the_weights_a_decode_forward_multiplies(tiny_l
     import math
     import torch
     from torch.utils.flop_counter import FlopCounterMode
-    import agentrl
+    import kvcache
     import lora
     lora.apply_lora(tiny_llama, r=4)
     rows = 3
-    rates = bench.weight_stream_rates(tiny_llama, rows)
-    forward, cache = agentrl._Forward(tiny_llama), agentrl.KVCache(tiny_llama.config)
+    rates = engine.weight_stream_rates(tiny_llama, rows)
+    forward, cache = kvcache.CachedForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
     with torch.no_grad(), lora.lora_merged(tiny_llama), FlopCounterMode(display=False) as counter:
         forward(torch.randint(0, 100, (rows, 1)), torch.ones((rows, 1), dtype=torch.long), cache)
     assert counter.get_total_flops() == 2 * rows * rates["weights"]
     assert all(math.isfinite(rates[k]) and rates[k] > 0 for k in ("rows", "one row", "read", "gflops"))
 
 
-def test_allocator_bench_runs_three_ways_and_prints_their_ratios(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench.py allocator end to end on the tiny model: three fresh train.py runs (activations kept
-    under two malloc settings, then recomputed), each row with its peak resident set and its
-    updates, each run with its own flags, then the ratio lines against the first."""
+def test_allocator_bench_runs_both_ways_and_prints_their_ratio(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """python -m bench allocator end to end on the tiny model: two fresh train.py runs (activations
+    kept, then recomputed), each row with its peak resident set and its updates, each run with its
+    own flags, then the ratio line against the first."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench, "ALLOCATOR_RUN", ["--sft-steps", "0", "--steps", "1", "--eval-size", "1", "--eval-split", "test",
+    monkeypatch.setattr(update, "ALLOCATOR_RUN", ["--sft-steps", "0", "--steps", "1", "--eval-size", "1", "--eval-split", "test",
                                                  "--no-start-eval"])
-    monkeypatch.setattr("sys.argv", ["bench.py", "allocator", "--model", tiny_model_dir, "--groups-per-step", "1",
+    monkeypatch.setattr("sys.argv", ["bench", "allocator", "--model", tiny_model_dir, "--groups-per-step", "1",
                                      "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4", "--judge", "none"])
-    bench.main()
+    main()
     out = capsys.readouterr().out
-    names = ["all kept, glibc's own", "all kept, 1 MiB", "recomputed, glibc's own"]
-    rows = re.findall(r"^((?:all kept|recomputed), [^ ]+(?: own| MiB)) +([\d.]+) GiB .* (\d+)$", out, re.M)
+    names = ["all kept", "recomputed"]
+    rows = re.findall(r"^(all kept|recomputed) +([\d.]+) GiB .* (\d+)$", out, re.M)
     assert [name for name, _, _ in rows] == names, out
     assert all(float(peak) > 0.1 and updates == "1" for _, peak, updates in rows), out
-    configs = [read_json(os.path.join("runs", "bench_allocator", f"variant_{i}", "config.json")) for i in range(3)]
-    assert [(c["grad_checkpointing"], c["malloc_mmap_threshold"]) for c in configs] == [(False, 0), (False, 1 << 20), (True, 0)]
+    configs = [read_json(os.path.join("runs", "bench_allocator", f"variant_{i}", "config.json")) for i in range(2)]
+    assert [c["grad_checkpointing"] for c in configs] == [False, True]
     for name in names[1:]:
-        assert re.search(rf"{re.escape(name)} / all kept, glibc's own: peak [\d.]+x \| run time [\d.]+x", out), out
+        assert re.search(rf"{re.escape(name)} / all kept: peak [\d.]+x \| run time [\d.]+x", out), out
 
 
-def test_scale_bench_times_runs_with_and_without_group_segments(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench.py scale end to end on the tiny model, three of its variants: each a fresh train.py run
-    with its own flags, every step updated from the one group of two the scripted rewards train
-    (--trained-groups 1), each row with its times and the update's distance from the sampler (none
-    when both compute in fp32, some with bf16 rollouts), then the ratio lines against the first."""
+def test_scale_bench_times_one_process_and_two(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """python -m bench scale end to end on the tiny model, both variants: each a fresh train.py run
+    (python -m bench train-run: scripted rewards passed to train.main, in each torchrun process
+    too), every step updated from the groups the scripted rewards train (--trained-groups 1: the
+    first of each process's groups), each row with its times and the update's distance from the
+    sampler (none when both compute in fp32), then the ratio line against the first."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["bench.py", "scale", "--variants", "no-group-segments,1-process,bf16-rollouts",
+    monkeypatch.setattr("sys.argv", ["bench", "scale", "--variants", "1-process,torchrun-2",
                                      "--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "8",
                                      "--no-start-eval", "--trained-groups", "1"])
-    bench.main()
+    main()
     out = capsys.readouterr().out
     rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +([\d.e+-]+) +([\d.]+) +\d+$",
                       out, re.M)
-    assert [name for name, *_ in rows] == ["no-group-segments", "1-process", "bf16-rollouts"], out
+    assert [name for name, *_ in rows] == ["1-process", "torchrun-2"], out
     assert all(float(per_minute) > 0 and updates == "2" for _, per_minute, *_, updates, _, _ in rows), out
-    assert [float(kl_old) < 1e-6 for *_, kl_old, _ in rows] == [True, True, False], out
+    assert [float(kl_old) < 1e-6 for *_, kl_old, _ in rows] == [True, True], out
     configs = [read_json(os.path.join("runs", "bench_scale", name, "config.json")) for name, *_ in rows]
-    assert [(c["group_segments"], c["rollout_dtype"]) for c in configs] == [(False, "fp32"), (True, "fp32"), (True, "bf16")]
+    assert [(c["steps"], c["max_new_tokens"]) for c in configs] == [(2, 8), (2, 8)]     # the flags given win
     steps = [json.loads(line) for name, *_ in rows for line in open(os.path.join("runs", "bench_scale", name, "metrics.jsonl"))
              if "reward_mean" in line]
-    assert [(r["trainable_groups"], r["submitted_groups"]) for r in steps] == [(1, 2)] * 6
-    for name in ("1-process", "bf16-rollouts"):
-        assert re.search(rf"{name} / no-group-segments: [\d.]+x steps per minute \| rollout [\d.]+x faster", out), out
+    assert [(r["trainable_groups"], r["submitted_groups"]) for r in steps] == [(1, 2)] * 2 + [(2, 2)] * 2
+    assert re.search(r"torchrun-2 / 1-process: [\d.]+x steps per minute \| rollout [\d.]+x faster", out), out
 
 
 def assert_a_rerun_trains_nothing(out, start, end, monkeypatch, capsys):
@@ -280,22 +283,22 @@ def assert_a_rerun_trains_nothing(out, start, end, monkeypatch, capsys):
     table = out[out.index(start):out.index(end)]
     runs = []
     monkeypatch.setattr(train, "main", lambda argv: runs.append(argv))
-    bench.main()
+    main()
     out = capsys.readouterr().out
     assert runs == [] and out[out.index(start):out.index(end)] == table
 
 
 def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench.py learn end to end on the tiny model with --grpo-seeds 2: one SFT start; GRPO twice
+    """python -m bench learn end to end on the tiny model with --grpo-seeds 2: one SFT start; GRPO twice
     (seeds 0 and 1), RFT and the SFT control, each from the start's adapter; a table row per arm on
     both held-out splits; each GRPO run paired with the start, and the runs' mean with the start,
     RFT and the control; the control's SFT steps are the GRPO runs' mean time over an SFT step."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["bench.py", "learn", "--sft-steps", "1", "--grpo-steps", "1", "--grpo-seeds", "2",
+    monkeypatch.setattr("sys.argv", ["bench", "learn", "--sft-steps", "1", "--grpo-steps", "1", "--grpo-seeds", "2",
                                      "--eval-size", "2", "--pass-tasks", "1", "--pass-k", "2", "--model", tiny_model_dir,
                                      "--groups-per-step", "1", "--group-size", "2", "--max-turns", "4",
                                      "--max-new-tokens", "130", "--max-context", "1024", "--micro-batch-size", "2"])
-    bench.main()
+    main()
     out = capsys.readouterr().out
     folder = os.path.join("runs", "bench_learn")
     configs = {arm: read_json(os.path.join(folder, arm, "config.json")) for arm in ("sft", "grpo", "grpo_seed1", "rft", "control")}
@@ -330,7 +333,7 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     trained = []
     monkeypatch.setattr(train, "main", lambda argv: trained.append(argv))
     monkeypatch.setattr("sys.argv", sys.argv + ["--grpo-seeds", "1"])
-    bench.main()
+    main()
     out = capsys.readouterr().out
     assert all(argv[argv.index("--out") + 1] == os.path.join(folder, "control") for argv in trained), trained
     control = f"SFT +{max(1, round(sum(seconds('grpo', 'reward_mean')) / seconds('sft', 'sft_step')[0]))} (control)"
@@ -343,24 +346,24 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
 
 
 def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(tiny_model_dir, tmp_path, monkeypatch, capsys):
-    """bench.py sweep end to end on the tiny model: one SFT start per rank, one GRPO run per lr from
+    """python -m bench sweep end to end on the tiny model: one SFT start per rank, one GRPO run per lr from
     its rank's start, every run evaluated on split val only (so none trains on it); a row per run,
     paired with its start; the pick is the row of the best validation accuracy. Run again, nothing trains."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr("sys.argv", ["bench.py", "sweep", "--sweep-ranks", "2,4", "--sweep-lrs", "1e-4,1e-2", "--sft-steps", "1",
+    monkeypatch.setattr("sys.argv", ["bench", "sweep", "--sweep-ranks", "2,4", "--sweep-lrs", "1e-4,1e-2", "--sft-steps", "1",
                                      "--grpo-steps", "1", "--eval-size", "3", "--model", tiny_model_dir, "--groups-per-step", "1",
                                      "--group-size", "2", "--max-turns", "4", "--max-new-tokens", "130", "--max-context", "1024",
                                      "--micro-batch-size", "2"])
-    bench.main()
+    main()
     out = capsys.readouterr().out
     folder = os.path.join("runs", "bench_sweep")
     for rank in (2, 4):
         start = read_json(os.path.join(folder, f"sft_r{rank}", "config.json"))
-        assert (start["lora_r"], start["sft_steps"], start["steps"], start["eval_splits"]) == (rank, 1, 0, ["val"])
+        assert (start["lora_r"], start["sft_steps"], start["steps"], start["eval_split"]) == (rank, 1, 0, "val")
         for lr in (1e-4, 1e-2):
             run = read_json(os.path.join(folder, f"r{rank}_lr{lr:g}", "config.json"))
             assert (run["lora_r"], run["lr"], run["steps"], run["sft_steps"]) == (rank, lr, 1, 0)
-            assert run["adapter"] == os.path.join(folder, f"sft_r{rank}", "final") and run["eval_splits"] == ["val"]
+            assert run["adapter"] == os.path.join(folder, f"sft_r{rank}", "final") and run["eval_split"] == "val"
     rows = re.findall(r"^ +(\d+) +([\d.e-]+) +([\d.]+) +([\d.]+)   ([+-][\d.]+) \[", out, re.M)
     assert [(int(r), float(lr)) for r, lr, *_ in rows] == [(2, 1e-4), (2, 1e-2), (4, 1e-4), (4, 1e-2)], out
     assert all(abs(100 * (float(after) - float(start)) - float(diff)) < 0.06 for *_, start, after, diff in rows), out
@@ -374,11 +377,11 @@ def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(ti
     os.utime(start, (time.time() + 60, time.time() + 60))
     runs = []
     monkeypatch.setattr(train, "main", lambda argv: runs.append(argv[argv.index("--out") + 1]))
-    bench.main()
+    main()
     assert runs == [os.path.join(folder, "r2_lr0.0001"), os.path.join(folder, "r2_lr0.01")]
-    monkeypatch.setattr("sys.argv", ["bench.py", "sweep", "--lr", "1e-3"])
+    monkeypatch.setattr("sys.argv", ["bench", "sweep", "--lr", "1e-3"])
     with pytest.raises(SystemExit, match="sets --lr itself"):
-        bench.main()
+        main()
 
 
 def test_a_finished_run_is_reused_unless_its_flags_differ(tmp_path, monkeypatch):
@@ -391,11 +394,49 @@ def test_a_finished_run_is_reused_unless_its_flags_differ(tmp_path, monkeypatch)
     (out / "final" / "adapter_model.safetensors").write_bytes(b"")
     argv = ["--steps", "2", "--out", str(out)]
     config = json.loads(json.dumps(vars(train.parse_args(argv))))
-    del config["rollout_dtype"]                     # written before --rollout-dtype existed
+    del config["eval_dtype"]                        # written before --eval-dtype existed
     (out / "config.json").write_text(json.dumps(config))
-    bench.train_unless_finished(argv)
-    bench.train_unless_finished(argv + ["--rollout-dtype", "fp32"])
+    learn.train_unless_finished(argv)
+    learn.train_unless_finished(argv + ["--eval-dtype", "fp32"])
     assert runs == []
-    for other in (["--rollout-dtype", "bf16"], ["--steps", "3"]):
-        bench.train_unless_finished(argv + other)
+    for other in (["--eval-dtype", "bf16"], ["--steps", "3"]):
+        learn.train_unless_finished(argv + other)
     assert len(runs) == 2
+
+
+# ---------------------------------------------------------------- the package's place in the layout
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _local_imports(path, local):
+    """The names in `local` that the file at `path` imports, anywhere in it (a function's imports too)."""
+    import ast
+    found = set()
+    for node in ast.walk(ast.parse(open(path).read())):
+        names = ([a.name for a in node.names] if isinstance(node, ast.Import) else
+                 [node.module] + [f"{node.module}.{a.name}" for a in node.names] if isinstance(node, ast.ImportFrom) and node.module
+                 else [])
+        found |= {name for name in names if name in local}
+    return found
+
+
+def test_no_core_module_imports_bench():
+    """The teaching path never passes through the benchmarks: no module at the root imports bench."""
+    core = sorted(f for f in os.listdir(ROOT) if f.endswith(".py"))
+    bench_modules = {"bench"} | {f"bench.{f[:-3]}" for f in os.listdir(os.path.join(ROOT, "bench")) if f.endswith(".py")}
+    assert len(core) >= 8
+    assert {f: _local_imports(os.path.join(ROOT, f), bench_modules) for f in core} == {f: set() for f in core}
+
+
+def test_the_bench_modules_import_each_other_without_a_cycle():
+    """bench's own imports form no cycle (and with the core none can form: the core never imports
+    bench), so each module imports alone, whichever command starts first."""
+    folder = os.path.join(ROOT, "bench")
+    modules = {f"bench.{f[:-3]}": os.path.join(folder, f) for f in os.listdir(folder) if f.endswith(".py")}
+    graph = {name: _local_imports(path, modules) - {name} for name, path in modules.items()}
+    assert "bench.common" in graph and graph["bench.common"] == set()
+    done = set()
+    while len(done) < len(graph):      # peel off the modules whose imports are all done: a cycle never peels
+        ready = {name for name, imports in graph.items() if name not in done and imports <= done}
+        assert ready, f"an import cycle among {sorted(set(graph) - done)}"
+        done |= ready

@@ -1,5 +1,5 @@
-"""Tests for fit3b.py: the T4 training path end to end, and the pieces of the 3B memory estimate
-and GPU check that run on a CPU (with bench.py's memory instruments they use).
+"""Tests for bench/fit3b.py: the T4 training path end to end, and the pieces of the 3B memory
+estimate and GPU check that run on a CPU (with bench.common's memory instruments they use).
 
 Run: python -m pytest -q tests/test_fit3b.py
 
@@ -12,11 +12,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import bench
-import fit3b
 import grpo
 import lora
 import sql_env
+from bench import common, fit3b
 from conftest import build_tiny_model
 
 # A Qwen2 decoder small enough to build and run in milliseconds.
@@ -130,19 +129,19 @@ def test_resident_peak_sees_a_freed_tensor_until_reset():
     """The instrument of the CPU measurements (bench_memory, check_estimate_on_cpu): the peak
     resident set keeps a 256 MiB tensor that is already freed, and a reset forgets it."""
     mib = 2**20
-    bench.reset_resident_peak()
-    before = bench.resident_bytes("VmRSS")
+    common.reset_resident_peak()
+    before = common.resident_bytes("VmRSS")
     x = torch.ones(256 * mib // 4)           # fp32: 256 MiB, written, so resident
     del x
-    assert bench.resident_bytes("VmHWM") - before >= 250 * mib
-    assert bench.resident_bytes("VmRSS") - before < 64 * mib
-    bench.reset_resident_peak()
-    assert bench.resident_bytes("VmHWM") - bench.resident_bytes("VmRSS") < 64 * mib
+    assert common.resident_bytes("VmHWM") - before >= 250 * mib
+    assert common.resident_bytes("VmRSS") - before < 64 * mib
+    common.reset_resident_peak()
+    assert common.resident_bytes("VmHWM") - common.resident_bytes("VmRSS") < 64 * mib
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="this machine has a GPU")
 def test_gpu_check_without_a_gpu_exits_nonzero_and_says_why():
-    """`python bench.py gpu` on a CPU stops at once with a nonzero status and a sentence, not a traceback."""
+    """`python -m bench gpu` on a CPU stops at once with a nonzero status and a sentence, not a traceback."""
     with pytest.raises(SystemExit) as stop:
         fit3b.bench_gpu(SimpleNamespace(seed=0))
     assert "needs a CUDA GPU" in str(stop.value.code)

@@ -1,7 +1,7 @@
 """Does Qwen2.5-3B train on a 16 GB T4? The fit estimate, its check on the CPU, and the GPU check.
 
-    python bench.py memory --shape qwen2.5-3b   # no GPU: the estimate, then its method checked on the CPU
-    python bench.py gpu                          # a GPU: measured, memory capped to a T4's 14.7 GiB
+    python -m bench memory --shape qwen2.5-3b   # no GPU: the estimate, then its method checked on the CPU
+    python -m bench gpu                          # a GPU: measured, memory capped to a T4's 14.7 GiB
 
 The intended GPU model is Qwen2.5-3B-Instruct, and the smallest GPU a user is likely to have is a
 free T4 (16 GB, no bf16). Without a GPU the question gets an ESTIMATE: one decoder layer of the
@@ -19,7 +19,6 @@ do not depend on their values), and the tokenizer only turns forced texts into t
 embedded model's, or any folder given with `--tokenizer`).
 """
 import json
-import os
 import time
 
 import torch
@@ -28,7 +27,8 @@ import agentrl
 import grpo
 import lora
 import sql_env
-from bench import CHILD_VARIANT, in_fresh_process, random_batch, reset_resident_peak, resident_bytes
+import train
+from bench.common import in_fresh_process, random_batch, reset_resident_peak, resident_bytes
 
 # Qwen2.5-3B-Instruct's published config.json, written out so that nothing is downloaded.
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
@@ -49,7 +49,6 @@ def qwen_config(**overrides):
 
 def train_defaults():
     """train.py's defaults on this machine (micro-batch, learning rate, checkpointing): what a run uses."""
-    import train
     return train.parse_args([])
 
 
@@ -150,7 +149,7 @@ def print_estimate(est):
           f"one lm_head chunk {est['lm_head_chunk'] / GIB:.2f} GiB)")
     worst = max(totals.values())
     print(f"T4 budget {T4_BUDGET_GIB} GiB: {'fits' if worst <= T4_BUDGET_GIB else 'does NOT fit'} by this "
-          f"estimate ({T4_BUDGET_GIB - worst:+.2f} GiB). Measured figures: `python bench.py gpu` on a GPU.")
+          f"estimate ({T4_BUDGET_GIB - worst:+.2f} GiB). Measured figures: `python -m bench gpu` on a GPU.")
 
 
 CUT_LAYERS = 2    # the estimate's method, checked on the CPU: the 3B shape cut to this many layers
@@ -349,7 +348,7 @@ def bench_memory_3b(args):
     """`memory --shape qwen2.5-3b`: measured on a GPU (memory_checks), else the labelled estimate and
     its method checked against a measurement that fits on the CPU (check_estimate_on_cpu)."""
     micro_batch = train_defaults().micro_batch_size
-    if os.environ.get(CHILD_VARIANT) == "cut":
+    if args.child == "cut":
         print(json.dumps(measure_update_on_cpu(qwen_config(num_hidden_layers=CUT_LAYERS), micro_batch, args.seed)))
         return
     if not torch.cuda.is_available():
@@ -368,8 +367,8 @@ def bench_gpu(args):
     training steps (forced_train_steps). One `CHECK name PASS|FAIL | figures` line per check;
     exit status 1 if any failed."""
     if not torch.cuda.is_available():
-        raise SystemExit("bench.py gpu needs a CUDA GPU, and this machine has none. On a CPU, "
-                         "`python bench.py memory --shape qwen2.5-3b` prints an estimate instead.")
+        raise SystemExit("python -m bench gpu needs a CUDA GPU, and this machine has none. On a CPU, "
+                         "`python -m bench memory --shape qwen2.5-3b` prints an estimate instead.")
     t0 = time.perf_counter()
     s = gpu_setup(args.seed, args.tokenizer)
     results = memory_checks(s, args.seed)

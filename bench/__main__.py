@@ -1,0 +1,103 @@
+"""The benchmarks behind every figure BENCHMARKS.md and RESULTS.md quote: `python -m bench COMMAND`.
+
+    python -m bench rollout        # our rollout engine vs re-tokenize + generate() per turn; the floor
+    python -m bench cache          # one decode step: our KVCache vs DynamicCache; fp32 vs bf16 keys and values
+    python -m bench judge          # judge prompt tokens: naive vs RULER-style vs trie serialization
+    python -m bench judge-server   # the --judge http path against llama.cpp's server (if installed)
+    python -m bench memory         # peak memory of one GRPO update: chunked vs unchunked log-probs
+    python -m bench memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (bench/fit3b.py)
+    python -m bench update         # one SFT step: lm_head at trained positions, one sequence at a time, the prompt once
+    python -m bench eval --adapter runs/default   # greedy evaluation: batching, drafts, 2 processes, bf16; the floor
+    python -m bench learn          # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
+    python -m bench sweep          # the RL lr and the LoRA rank, chosen on a validation slice of train
+    python -m bench pair runs/sft runs/grpo_s0 [runs/grpo_s1]   # evaluations task by task: the difference, its interval
+    python -m bench scale          # train.py steps per minute: 1 process vs 2 (torchrun); rollout vs the rest
+    python -m bench allocator      # a short run's peak memory and phase times: activations kept vs recomputed
+    python -m bench gpu            # the GPU check: the 3B shape under a T4's memory, then real training steps
+
+`--variants a,b` (update, eval, scale) runs a subset, the first the baseline. learn, sweep, scale and
+allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
+benchmark measures the baseline and ours in the same run and prints them side by side with the
+ratio: the machines are shared and noisy, so only ratios are worth quoting.
+"""
+import argparse
+import importlib
+
+COMMANDS = {   # name: (module of bench/, function, one line of help)
+    "rollout": ("engine", "bench_rollout", "our rollout engine vs re-tokenize + generate() per turn; the floor"),
+    "cache": ("engine", "bench_cache", "one decode step: our KVCache vs DynamicCache; fp32 vs bf16 keys, values"),
+    "judge": ("judge", "bench_judge", "judge prompt tokens per group: naive vs RULER-style vs trie"),
+    "judge-server": ("judge", "bench_judge_server", "the --judge http path against llama.cpp's server (if installed)"),
+    "memory": ("update", "bench_memory", "peak memory of one GRPO update: chunked vs unchunked log-probs"),
+    "update": ("update", "bench_update", "one SFT step, six ways: where the lm_head runs, micro-batch, prompt once"),
+    "eval": ("engine", "bench_eval", "greedy evaluation of a held-out split: batching, drafts, processes, bf16"),
+    "learn": ("learn", "bench_learn", "held-out accuracy, paired: an SFT start, then GRPO, RFT and more SFT"),
+    "sweep": ("learn", "bench_sweep", "the RL lr and the LoRA rank, chosen on a validation slice of train"),
+    "pair": ("learn", "bench_pair", "evaluations compared task by task: the difference and its interval"),
+    "scale": ("update", "bench_scale", "train.py steps per minute: 1 process vs 2 (torchrun)"),
+    "allocator": ("update", "bench_allocator", "a short run's peak memory, phase times: activations kept vs recomputed"),
+    "gpu": ("fit3b", "bench_gpu", "the GPU check: the 3B shape under a T4's memory, then real training steps"),
+    "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
+}
+TRAIN_FLAGS = {"learn", "sweep", "scale", "allocator", "train-run"}   # these pass unknown flags on to train.py
+PUBLIC = " ".join(name for name, (_, _, line) in COMMANDS.items() if line)
+
+OPTIONS = [   # (flag, the commands that take it, argparse keywords)
+    ("paths", "pair", dict(nargs="*", help="evaluations, before and then after (run or --eval-only folders)")),
+    ("--shape", "memory", dict(choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
+                               help="the embedded model, or the Qwen2.5-3B shape, random weights (the T4 fit)")),
+    ("--adapter", "rollout judge judge-server eval scale",
+     dict(default=None, help="the embedded model with this saved adapter (or run folder)")),
+    ("--split", "eval", dict(default="test", help="the held-out split to evaluate")),
+    ("--tasks", "eval", dict(type=int, default=0, help="the split's first N tasks (0: all)")),
+    ("--tokenizer", "gpu memory", dict(default=None, help="3B shape: a tokenizer folder (default: the embedded one)")),
+    ("--eval-size", "learn sweep", dict(type=int, default=0, help="held-out (sweep: val) tasks per split (0: all)")),
+    ("--sft-steps", "learn sweep", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),
+    ("--grpo-steps", "learn sweep", dict(type=int, default=8, help="GRPO and RFT steps (sweep: of each run)")),
+    ("--grpo-seeds", "learn", dict(type=int, default=2, help="GRPO runs, seeds --seed, --seed + 1, ...: their mean")),
+    ("--pass-tasks", "learn", dict(type=int, default=24, help="tasks per held-out split for the start's pass@k (0: none)")),
+    ("--pass-k", "learn", dict(type=int, default=8, help="samples per task for pass@k")),
+    ("--sweep-lrs", "sweep", dict(default="1e-4,3e-4,1e-3", help="the RL learning rates, comma-separated")),
+    ("--sweep-ranks", "sweep", dict(default="4,16", help="the LoRA ranks, comma-separated")),
+    ("--draft", "rollout eval", dict(type=int, default=None, help="draft tokens a row checks per forward in the "
+                                                                   "drafted variants (default: train.py's)")),
+    ("--variants", "update eval scale", dict(default=None, help="a comma-separated subset of the variants (default: all)")),
+    ("--trained-groups", "scale train-run",
+     dict(type=int, default=0, help="groups of a step (each process's) the scripted rewards train (0: all)")),
+    ("--seed", PUBLIC, dict(type=int, default=0, help="random seed")),
+    ("--child", "memory update eval", dict(default=None, help=argparse.SUPPRESS)),   # a fresh process: this variant only
+]
+
+
+def build_parsers():
+    """The parser of `python -m bench`, and {command: its subparser}."""
+    parser = argparse.ArgumentParser(prog="python -m bench", description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    commands = parser.add_subparsers(dest="command", required=True, metavar="COMMAND", help="one of those above")
+    subparsers = {}
+    for name, (_, _, line) in COMMANDS.items():      # listed in the description above, train-run not
+        subparsers[name] = commands.add_parser(name, description=line, allow_abbrev=False, epilog=(
+            "Any other flag goes to train.py, for every run." if name in TRAIN_FLAGS else None))
+        for flag, takers, keywords in OPTIONS:
+            if name in takers.split():
+                subparsers[name].add_argument(flag, **keywords)
+    return parser, subparsers
+
+
+def main(argv=None):
+    parser, subparsers = build_parsers()
+    args, train_flags = parser.parse_known_args(argv)
+    if train_flags and args.command not in TRAIN_FLAGS:
+        subparsers[args.command].error(f"unrecognized arguments: {' '.join(train_flags)}")
+    args.train_flags = train_flags
+    if getattr(args, "draft", 0) is None:
+        import train
+        args.draft = train.DRAFT_TOKENS
+    module, function, _ = COMMANDS[args.command]
+    if args.command == "memory" and args.shape == "qwen2.5-3b":   # the 3B fit on a T4: a question of its own
+        module, function = "fit3b", "bench_memory_3b"
+    return getattr(importlib.import_module(f"bench.{module}"), function)(args)
+
+
+if __name__ == "__main__":
+    main()
