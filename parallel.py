@@ -24,7 +24,7 @@ What is synchronized, and what is not:
   and prints. On --resume rank 0 reads the checkpoint and sends it to the others (`share_state`),
   so machines need no shared disk.
 - Failures: a process whose peer died or stalled gets an error from its next collective, at once
-  or after --dist-timeout seconds, and stops with a message saying so (`CollectiveFailed`; with
+  or after DIST_TIMEOUT_S seconds, and stops with a message saying so (`CollectiveFailed`; with
   NCCL, torch's watchdog may end the process itself on a timeout); torchrun then ends the job.
   Nothing waits forever.
 
@@ -32,34 +32,36 @@ One more helper, apart from torchrun: `forked` runs a function on shares of a li
 forked from this one, one thread each (train.py --eval-processes: on a CPU, evaluations use every
 core better that way; its docstring says why).
 
-Simplifications: the supervised warm start (--sft-steps) is not split: every process runs the
-same one, and share_state then hands rank 0's result to all. LoRA dropout draws from each
-process's own torch RNG, and a checkpoint stores rank 0's: after a resume with --lora-dropout > 0
-the other processes' masks differ from those of an unbroken run (the default dropout is 0, and no
-other randomness of the loop uses that RNG).
+Simplification: the supervised warm start (--sft-steps) is not split: every process runs the
+same one, and share_state then hands rank 0's result to all.
 """
+import contextlib
 import datetime
 import io
 import multiprocessing
 import os
+import sys
 import traceback
 
 import torch
 import torch.distributed as dist
 
+import grpo
 import lora
+
+DIST_TIMEOUT_S = 1800   # seconds a process waits for the others at a collective before it stops the job
 
 
 class CollectiveFailed(SystemExit):
     """Another process died or stalled: this one stops too, with a message that says so."""
 
 
-def start(timeout_s):
+def start():
     """Join the processes torchrun started; returns this process's device (None in one process:
     the default device). A GPU per process, by LOCAL_RANK, with NCCL; gloo on CPUs."""
     if int(os.environ.get("WORLD_SIZE", "1")) == 1:
         return None
-    timeout = datetime.timedelta(seconds=timeout_s)
+    timeout = datetime.timedelta(seconds=DIST_TIMEOUT_S)
     if torch.cuda.is_available():
         device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
         torch.cuda.set_device(device)
@@ -72,6 +74,16 @@ def start(timeout_s):
 def stop():
     if dist.is_initialized():
         dist.destroy_process_group()
+
+
+@contextlib.contextmanager
+def joined():
+    """`with joined() as device:` start, then the block with only rank 0's prints shown, then stop
+    (the group is left as it is if the block raises: the process is ending)."""
+    device = start()
+    with open(os.devnull, "w") as devnull, contextlib.redirect_stdout(sys.stdout if is_main() else devnull):
+        yield device
+    stop()
 
 
 def rank():
@@ -129,6 +141,18 @@ def sum_counts(counts):
             "max_tokens": max(c["max_tokens"] for c in everyone)}
 
 
+def grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=None):
+    """grpo.grpo_step on this process's share of the step (batch: its rows), as one process holding
+    every row would take it: the loss normalized by the whole step's counts (sum_counts), the
+    gradients summed over the processes. Every process steps, with a share or with nothing, so
+    the adapters stay identical; a step with no trainable row anywhere is skipped everywhere."""
+    counts = sum_counts(grpo.normalizer_counts(batch, config))
+    if not counts["num_sequences"]:
+        return {"skipped": True, "skip_reason": "no trainable group"}
+    return grpo.grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=reference_context,
+                          counts=counts, all_reduce=all_reduce)
+
+
 def merge_update_stats(per_process):
     """One record of grpo.grpo_step's stats from every process's: counts and losses add up (the
     losses were normalized by the whole step's counts), ratios and clip fractions are means over
@@ -175,13 +199,12 @@ def forked(function, items, processes):
 
     Why it pays: a decode forward's matmuls (a few dozen rows against each weight) gain little from
     a second thread, and Python's share of a step runs on one core while the other waits; two
-    processes of one thread keep both cores busy (README: Benchmarks, bench.py eval). Why fork: a
-    child starts with the model already loaded, its pages shared with this process (train.evaluate
-    merges the LoRA before forking, so the merged weights are shared too). Why one thread: GNU
-    OpenMP in a forked child hangs at its first parallel region once the parent has used one, so a
-    child must never start a team. A child that raises sends its traceback, and the parent raises
-    it; a child that dies (killed for memory) is an error that says so; if the parent is
-    interrupted, its children are stopped."""
+    processes of one thread keep both cores busy. Why fork: a child starts with the model already
+    loaded, its pages shared with this process (evaluate.evaluate merges the LoRA before forking,
+    so the merged weights are shared too). Why one thread: GNU OpenMP in a forked child hangs at
+    its first parallel region once the parent has used one, so a child must never start a team.
+    A child that raises sends its traceback, and the parent raises it; a child that dies (killed
+    for memory) is an error that says so; if the parent is interrupted, its children are stopped."""
     context = multiprocessing.get_context("fork")
     processes = max(1, min(processes, len(items)))
     children, results, failure = [], [], None

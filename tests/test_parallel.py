@@ -5,7 +5,8 @@ Each process runs in a working folder of its own with a relative --out, as on tw
 without a shared disk: whatever rank 1 writes would land in its folder, which must stay empty,
 and on --resume rank 1 can only get the checkpoint from rank 0. A small launcher script (written
 below) runs train.main in each process with a scripted judge (random tiny models answer nothing
-right, so correctness alone would give no gradient) and records, for the test to check, each
+right, so correctness alone would give no gradient), its scorer passed in as train.main's `score`,
+and a collective timeout of 60 s, and records, for the test to check, each
 step's groups and rewards, the loss configuration and the final LoRA weights.
 """
 import json
@@ -23,7 +24,6 @@ import torch
 import grpo
 import lora
 import parallel
-import train
 from files import read_jsonl
 
 REPO = Path(__file__).resolve().parents[1]
@@ -32,7 +32,7 @@ LAUNCHER = '''
 import json, os, pickle, re, sys
 sys.path.insert(0, sys.argv[1])
 import torch
-import grpo, lora, train
+import grpo, lora, parallel, train
 
 rank, record = int(os.environ["RANK"]), os.environ["RECORD_DIR"]
 launch = os.environ["LAUNCH"]
@@ -47,13 +47,13 @@ class ScriptedJudge:
         return json.dumps({"scores": [{"trajectory_id": i, "explanation": "", "score": i / len(ids)} for i in ids]})
 
 
-real_score, real_step, real_apply, models, steps = train.score_groups, grpo.grpo_step, lora.apply_lora, [], []
+real_step, real_apply, models, steps = grpo.grpo_step, lora.apply_lora, [], []
 
 
 def score_groups(groups, *args, **kwargs):
     if os.environ.get("FAIL_RANK") == str(rank):
         raise RuntimeError(f"injected failure in rank {rank}")
-    rewards, results, failed = real_score(groups, *args, **kwargs)
+    rewards, results, failed = train.score_groups(groups, *args, **kwargs)
     steps.append((groups, rewards))
     return rewards, results, failed
 
@@ -70,8 +70,9 @@ def apply_lora(model, *args, **kwargs):
 
 
 train.make_judge = lambda *args: ScriptedJudge()
-train.score_groups, grpo.grpo_step, lora.apply_lora = score_groups, grpo_step, apply_lora
-train.main(sys.argv[2:])
+grpo.grpo_step, lora.apply_lora = grpo_step, apply_lora
+parallel.DIST_TIMEOUT_S = 60
+train.main(sys.argv[2:], score=score_groups)
 with open(os.path.join(record, f"{launch}_rank{rank}.pkl"), "wb") as f:
     pickle.dump({"steps": steps, "lora": [p.detach().clone() for p in lora.lora_parameters(models[0])]}, f)
 '''
@@ -117,8 +118,7 @@ def tiny_args(model_dir, *extra):
     rollouts the tolerance below was measured on."""
     return ["--model", model_dir, "--out", "run", "--groups-per-step", "3", "--group-size", "3", "--max-turns", "2",
             "--max-new-tokens", "12", "--max-context", "1024", "--eval-size", "3", "--micro-batch-size", "2",
-            "--lr", "1e-2", "--seed", "3", "--sft-steps", "0", "--eval-split", "test", "--dist-timeout", "60",
-            "--temperature", "1.0", *extra]
+            "--lr", "1e-2", "--seed", "3", "--sft-steps", "0", "--eval-split", "test", "--temperature", "1.0", *extra]
 
 
 def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits, tmp_path):
@@ -160,7 +160,7 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
     assert not stats["skipped"] and stats["loss"] == pytest.approx(steps[1]["loss"], abs=1e-6)
     for ours, theirs in zip(lora.lora_parameters(model), record[0]["lora"], strict=True):
         # the same update up to rounding: each process forwards the prompt its own groups share once
-        # (grpo.SharedPrefix) and then their runs of shared tokens (group segments), so its sums split
+        # (forward.SharedPrefix) and then their runs of shared tokens (group segments), so its sums split
         # elsewhere and run in another order (6e-8 apart with neither), and AdamW magnifies rounding
         # where a gradient is near 0: measured 1.1e-4 in one element of 1,024; the move is > 1e-3
         torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=2e-4)
@@ -192,11 +192,11 @@ def test_shards_are_contiguous_and_cover_everything(monkeypatch):
 
 def test_one_process_is_left_alone():
     """Without torchrun nothing joins, shards are everything, and share_state leaves the model."""
-    assert parallel.start(5) is None and parallel.world_size() == 1 and parallel.is_main()
+    assert parallel.start() is None and parallel.world_size() == 1 and parallel.is_main()
     assert parallel.shard([1, 2]) == [1, 2] and parallel.gather("x") == ["x"]
     assert parallel.sum_counts({"num_sequences": 2, "num_tokens": 5, "max_tokens": 3}) == {
         "num_sequences": 2, "num_tokens": 5, "max_tokens": 3}
-    assert train.parse_args(["--steps", "1"]).dist_timeout == 1800
+    assert parallel.DIST_TIMEOUT_S == 1800
 
 
 def test_merged_stats_by_hand():
@@ -230,53 +230,3 @@ def test_forked_raises_what_a_child_raised_and_says_when_one_died():
         parallel.forked(fails_on_four, list(range(6)), 2)
     with pytest.raises(RuntimeError, match="died without a result"):
         parallel.forked(lambda share: os._exit(3), [1, 2], 2)
-
-
-def test_a_forked_evaluation_that_dies_leaves_the_model_as_it_was(splits, smol_tokenizer, monkeypatch):
-    """A child killed mid-evaluation (out of memory, say) is an error naming it, and the model the
-    run goes on with is unmerged and back in train mode."""
-    from conftest import build_tiny_model
-    import agentrl
-    model = build_tiny_model("llama")
-    layers = lora.apply_lora(model, r=4, alpha=8) and [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
-    monkeypatch.setattr(agentrl, "rollout_groups", lambda *args, **kwargs: os._exit(3))
-    model.train()
-    with pytest.raises(RuntimeError, match="died without a result"):
-        train.evaluate(model, smol_tokenizer, splits["test"][:2], agentrl.Limits(), processes=2)
-    assert model.training and all(m.merged is None for m in layers)
-
-
-@pytest.mark.parametrize("weight_dtype", [None, torch.bfloat16])
-def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits, smol_tokenizer, forks, tmp_path,
-                                                           monkeypatch):
-    """train.py --eval-processes 2: the same episodes, in task order, as in the run's own process,
-    and the forks really ran. Both at one thread; the shares' batches are narrower, so greedy
-    choices could only differ on a near-tie of logits, which these 5 tasks do not have. The forks
-    find the LoRA merged: they share the parent's merged weights instead of building their own,
-    in bf16 too (--eval-dtype bf16)."""
-    from conftest import build_tiny_model
-    import agentrl
-    model, tasks = build_tiny_model("llama"), splits["test"][:5]
-    layers = lora.apply_lora(model, r=4, alpha=8) and [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
-    rollout_groups = agentrl.rollout_groups
-
-    def merged_before(*args, **kwargs):
-        assert os.getpid() == parent or all(m.merged is not None for m in layers), "a fork merged the LoRA itself"
-        assert all(m.merged.dtype == (weight_dtype or torch.float32) for m in layers if m.merged is not None)
-        return rollout_groups(*args, **kwargs)
-    parent = os.getpid()
-    monkeypatch.setattr(agentrl, "rollout_groups", merged_before)
-    limits = agentrl.Limits(max_turns=2, max_new_tokens=12, max_context=1024)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        one = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "one.jsonl"), draft=2,
-                             weight_dtype=weight_dtype)
-        two = train.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "two.jsonl"), draft=2, processes=2,
-                             weight_dtype=weight_dtype)
-    finally:
-        torch.set_num_threads(threads)
-    assert forks == [2] and one == two
-    assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
-    assert [json.loads(line)["task_id"] for line in open(tmp_path / "two.jsonl")] == [t.id for t in tasks]
-

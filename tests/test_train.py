@@ -5,17 +5,16 @@ that differ within each group, which is all GRPO needs to produce a gradient.
 """
 import json
 import os
-import platform
 import re
-import subprocess
-import sys
+from dataclasses import fields
 from types import SimpleNamespace
 
 import pytest
 import torch
 from safetensors.torch import load_file
 
-import bench
+import bench.learn
+import evaluate
 import train
 from files import read_json, read_jsonl
 
@@ -121,15 +120,6 @@ def test_kill_and_resume_equals_uninterrupted(tiny_model_dir, tmp_path, scripted
     assert steps == [1, 2], "the half-done step 2 record is dropped, then redone once"
 
 
-def test_resume_drops_later_steps_and_a_line_cut_short(tmp_path):
-    """Resuming at step 1 keeps the records up to it and drops the later ones and a last line cut
-    short by a kill mid-write, which would otherwise stop every later read of metrics.jsonl."""
-    path = tmp_path / "metrics.jsonl"
-    path.write_text('{"step": 0, "phase": "base"}\n{"step": 1, "loss": 0.5}\n{"step": 2, "loss": 0.4}\n{"step": 3, "lo')
-    train.truncate_metrics(str(path), 1)
-    assert [json.loads(line)["step"] for line in path.read_text().splitlines()] == [0, 1]
-
-
 def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     """--resume on an empty folder must say what is missing, not crash deep inside."""
     with pytest.raises(SystemExit, match="no checkpoint"):
@@ -140,16 +130,12 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--group-size", "1"], "group-size"),
     (["--steps", "-1"], "steps"),
     (["--temperature", "0"], "temperature"),
-    (["--draft-tokens", "-1"], "draft-tokens"),
     (["--eval-processes", "0"], "eval-processes"),
-    (["--target-entropy", "-0.1"], "target-entropy"),
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
     (["--sft-steps", "4", "--max-turns", "2"], "max-turns"),
     (["--sft-steps", "4", "--max-turns", "3"], "max-turns"),          # look demonstrations take 4 turns
-    (["--sft-steps", "4", "--max-turns", "2", "--demos", "plain"], "max-turns"),
     (["--eval-split", " , "], "eval-split"),
-    (["--malloc-mmap-threshold", "-1"], "malloc-mmap-threshold"),
     (["--eval-split", "test,val", "--train-split", "train_wide"], "needs --train-split train"),
 ])
 def test_bad_arguments_fail_fast(argv, message, capsys):
@@ -159,15 +145,50 @@ def test_bad_arguments_fail_fast(argv, message, capsys):
     assert message in capsys.readouterr().err
 
 
+def test_help_lists_at_most_40_short_flags(capsys):
+    """--help is the config's table of contents: at most 40 flags, each help line under 100
+    characters, and every flag one field of train.Config."""
+    with pytest.raises(SystemExit):
+        train.parse_args(["--help"])
+    text = capsys.readouterr().out
+    flags = {flag for flag in re.findall(r"^  (--[a-z-]+)", text, re.M) if flag != "--help"}
+    assert len(flags) <= 40 and len(flags) == len(fields(train.Config)), sorted(flags)
+    assert [f.name for f in fields(train.Config) if len(f.metadata["help"]) >= 100] == []
+    assert all(f"--{f.name.replace('_', '-')}" in flags for f in fields(train.Config))
+
+
+def test_gpu_defaults_differ_only_where_declared(monkeypatch):
+    """On a GPU the defaults change exactly in GPU_DEFAULTS, to its values; the rest stay."""
+    cpu = train.parse_args([])
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    gpu = train.parse_args([])
+    changed = {f.name for f in fields(train.Config) if getattr(cpu, f.name) != getattr(gpu, f.name)}
+    assert changed == set(train.GPU_DEFAULTS) and all(getattr(gpu, k) == v for k, v in train.GPU_DEFAULTS.items())
+
+
+def test_config_round_trips_through_config_json(tiny_model_dir, tmp_path, monkeypatch):
+    """The config.json a run writes reads back as the very Config it ran with (the held-out splits
+    named, as the run used them)."""
+    class Stop(Exception):
+        pass
+
+    def stop(*args, **kwargs):
+        raise Stop
+    monkeypatch.setattr(train.checkpoint, "save", stop)    # config.json is written by then
+    argv = tiny_args(tiny_model_dir, tmp_path / "run", "--no-start-eval", "--judge", "none", "--kl-coef", "0.1")
+    with pytest.raises(Stop):
+        train.main(argv)
+    config = train.Config(**read_json(tmp_path / "run" / "config.json"))
+    assert config == train.parse_args(argv) and config.eval_split == "test,test_schema" and config.kl_coef == 0.1
+
+
 def test_unreachable_judge_endpoint(tiny_model_dir, tmp_path):
-    """An http judge nobody answers is a clear error at start, or falls back when asked to."""
+    """An http judge nobody answers is a clear error at start."""
     base = tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "http", "--judge-url", "http://127.0.0.1:9/v1",
                      "--judge-model", "m", "--steps", "1")
     args = train.parse_args(base)
     with pytest.raises(SystemExit, match="unreachable"):
         train.make_judge(args, None, None, torch.device("cpu"))
-    args = train.parse_args(base + ["--judge-fallback", "none"])
-    assert train.make_judge(args, None, None, torch.device("cpu")) is None
 
 
 def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -186,38 +207,20 @@ def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, t
     assert sorted(line["judge_score"] for line in lines[:3]) == pytest.approx([1 / 3, 2 / 3, 1])
 
 
-FRAGMENTED_HEAP = """
-import sys, torch, train
-set_here = train.release_freed_memory(int(sys.argv[1]))
-def resident():
-    return next(int(line.split()[1]) for line in open("/proc/self/status") if line.startswith("VmRSS:")) * 1024
-big = torch.ones(4 << 20)
-del big                             # one freed 16 MiB block: glibc raises its mmap threshold to 16 MiB
-before = resident()
-blocks, pins = [], []
-for _ in range(100):                # 2 MiB activations, each followed by a 100 KiB block that stays alive
-    blocks.append(torch.ones(1 << 19))
-    pins.append(torch.ones(25600))
-del blocks                          # what an update frees; the pins (10 MiB) keep the heap from shrinking
-print(set_here, (resident() - before) / 2**20)
-"""
+def test_the_reward_function_is_a_parameter(tiny_model_dir, tmp_path):
+    """train.main(argv, score=f): the step's rewards are f's (how a benchmark scripts them), given the
+    groups, the judge backend, the rubric, the bonus and the judge cache."""
+    import judge
+    seen = []
 
-
-@pytest.mark.skipif(not os.path.exists("/proc/self/status") or platform.libc_ver()[0] != "glibc",
-                    reason="glibc on Linux: mallopt and /proc")
-def test_freed_activations_go_back_to_the_os():
-    """200 MiB of 2 MiB tensors, interleaved with smaller ones that stay alive, then freed: with
-    glibc's own setting the resident set keeps them (why release_freed_memory exists); with a 1 MiB
-    threshold, they are handed back. Each case in a fresh process."""
-    def kept_mib(threshold):
-        env = {k: v for k, v in os.environ.items() if k != "MALLOC_MMAP_THRESHOLD_"}
-        out = subprocess.run([sys.executable, "-c", FRAGMENTED_HEAP, str(threshold)], env=env, cwd=os.path.dirname(
-            os.path.dirname(os.path.abspath(__file__))), capture_output=True, text=True, check=True).stdout.split()
-        return out[0] == "True", float(out[1])
-    set_default, kept_default = kept_mib(0)
-    set_ours, kept_ours = kept_mib(train.LEAN_MMAP_THRESHOLD)
-    assert (set_default, set_ours) == (False, True)
-    assert kept_default > 150 and kept_ours < 30, (kept_default, kept_ours)   # MiB; the pins are 10
+    def spread(groups, judge_backend, rubric, bonus, cache_dir):
+        seen.append((len(groups), judge_backend, bonus))
+        unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="scripted")
+        return [[k / len(g.trajectories) for k in range(len(g.trajectories))] for g in groups], [unscored] * len(groups), 0
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--judge", "none", "--bonus", "2"), score=spread)
+    (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "reward_mean" in r]
+    assert seen == [(2, None, 2.0)] and record["trainable_groups"] == 2 and record["reward_mean"] == pytest.approx(1 / 3)
 
 
 def test_bonus_is_added_to_scores_already_in_0_1():
@@ -244,7 +247,7 @@ def test_task_sampling_prefers_mixed_tiers():
 def test_task_sampling_prefers_frontier_tasks_and_still_explores():
     """Of 100 tasks, the two whose last group was mixed are drawn far more often than the rest, never
     twice in one step; the solved and the never-solved ones are still drawn now and then; with
-    --frontier-share 0 the frontier gets no preference."""
+    frontier_share=0 the frontier gets no preference."""
     import random
     tasks = {"medium": [SimpleNamespace(id=f"t{i}") for i in range(100)]}
     stats = {"tiers": {}, "tasks": {"t0": 0.5, "t1": 0.25, "t2": 1.0, "t3": 0.0}}
@@ -258,42 +261,6 @@ def test_task_sampling_prefers_frontier_tasks_and_still_explores():
     assert flat.count("t0") < 60
 
 
-def test_task_sampling_skips_the_tasks_a_step_already_rolled_out():
-    """A later round of dynamic sampling draws new tasks, from the frontier and from the tiers."""
-    import random
-    tasks = {"medium": [SimpleNamespace(id=f"t{i}") for i in range(10)]}
-    stats = {"tiers": {}, "tasks": {"t0": 0.5, "t1": 0.5, "t2": 0.5}}
-    done = {"t0", "t1", "t3", "t4"}
-    picks = [t.id for seed in range(200) for t in train.sample_tasks(tasks, stats, 3, random.Random(seed), exclude=done)]
-    assert not done & set(picks) and picks.count("t2") > 150
-
-
-def test_dynamic_sampling_rolls_out_new_tasks_until_enough_groups_are_mixed(tiny_model_dir, tmp_path, monkeypatch):
-    """--sample-rounds 3, 2 groups a step: the first round comes out all wrong, so a second round
-    rolls out 2 other tasks; they come out mixed, so no third round runs, and only they are trained on."""
-    import agentrl
-    real, rounds = agentrl.rollout_groups, []
-
-    def first_round_all_wrong(*args, **kwargs):
-        groups = real(*args, **kwargs)
-        if "-train-" in groups[0].task.id:      # not the evaluations
-            for g in groups:
-                for i, t in enumerate(g.trajectories):
-                    t.correct = bool(rounds) and i == 0
-            rounds.append([g.task.id for g in groups])
-        return groups
-    monkeypatch.setattr(agentrl, "rollout_groups", first_round_all_wrong)
-    out = tmp_path / "run"
-    train.main(tiny_args(tiny_model_dir, out, "--steps", "1", "--judge", "none", "--sample-rounds", "3"))
-    step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
-    assert len(rounds) == 2 and not set(rounds[0]) & set(rounds[1]), rounds
-    assert step["rollout_rounds"] == 2 and step["submitted_groups"] == 4 and step["trainable_groups"] == 2
-    assert not step["skipped"] and step["mixed_group_rate"] == 0.5
-    episodes = read_jsonl(out / "trajectories" / "step_0001.jsonl")
-    assert [e["task_id"] for e in episodes if e["advantage"]] == [tid for tid in rounds[1] for _ in range(3)]
-    assert [e["advantage"] > 0 for e in episodes[6:]] == [True, False, False] * 2
-
-
 def test_task_stats_record_the_last_pass_rate_per_task():
     group = SimpleNamespace(task=SimpleNamespace(id="q", difficulty="easy"),
                             trajectories=[SimpleNamespace(correct=c) for c in (True, False, False, True)])
@@ -302,77 +269,10 @@ def test_task_stats_record_the_last_pass_rate_per_task():
     assert stats["tasks"] == {"q": 0.5} and stats["tiers"]["easy"] == pytest.approx(0.7 * 0.5 + 0.3 * 0.5)
 
 
-def test_temperature_steers_toward_the_target_entropy():
-    """Too certain: hotter; wandering: cooler; clamped; and on a policy whose sampled tokens'
-    entropy grows as T^2 (two temperatures from one start measured about T^1.7), a few steps settle
-    where the entropy meets the target, from either side."""
-    assert train.next_temperature(0.5, 0.01, 0.04) == pytest.approx(1.0)      # 0.5 * (0.04 / 0.01) ** 0.5
-    assert train.next_temperature(1.0, 0.16, 0.04) == pytest.approx(0.5)
-    assert train.next_temperature(1.0, 0.04, 0.04) == 1.0
-    assert train.next_temperature(0.5, 1e-9, 0.04) == 1.2 and train.next_temperature(0.5, 50.0, 0.04) == 0.2
-    assert train.next_temperature(0.5, 0.0, 0.04) == pytest.approx(0.5 * 2 ** 0.5)   # nothing uncertain sampled
-    for start in (0.25, 1.2):
-        temperature = start
-        for _ in range(12):
-            temperature = train.next_temperature(temperature, 0.04 * temperature ** 2, 0.01)   # H(T) = 0.04 T^2
-        assert temperature == pytest.approx(0.5, rel=1e-3), start
-
-
-def test_target_entropy_steers_each_step_and_survives_a_resume(tiny_model_dir, tmp_path, scripted_judge, capsys):
-    """--target-entropy: each step samples at the temperature the last one's entropy chose (a
-    random model wanders, so it cools), the summary says so, and a resumed run picks up where it was."""
-    straight, broken = tmp_path / "straight", tmp_path / "broken"
-    flags = ["--target-entropy", "2.0", "--temperature", "1.0"]
-    train.main(tiny_args(tiny_model_dir, straight, "--steps", "3", *flags))
-    steps = [r for r in read_jsonl(straight / "metrics.jsonl") if "reward_mean" in r]
-    assert steps[0]["temperature"] == 1.0 and steps[1]["temperature"] < 1.0
-    assert f"temperature 1.00 -> {steps[-1]['temperature']:.2f} (steered toward 2 nats)" in capsys.readouterr().out
-    for before, after in zip(steps, steps[1:]):
-        assert after["temperature"] == train.next_temperature(before["temperature"], before["rollout_entropy"], 2.0)
-    train.main(tiny_args(tiny_model_dir, broken, "--steps", "2", *flags))
-    train.main(tiny_args(tiny_model_dir, broken, "--steps", "3", "--resume", *flags))
-    resumed = [r for r in read_jsonl(broken / "metrics.jsonl") if "reward_mean" in r]
-    assert [r["temperature"] for r in resumed] == [r["temperature"] for r in steps]
-    constant = tmp_path / "constant"
-    train.main(tiny_args(tiny_model_dir, constant, "--steps", "2", "--temperature", "1.0"))
-    assert [json.loads(line)["temperature"] for line in open(constant / "metrics.jsonl") if "reward_mean" in line] == [1.0, 1.0]
-
-
-def test_partial_credit_is_one_weighted_term_of_the_reward(db):
-    """reward = bonus * correct + partial_credit * overlap with the gold result (judge none)."""
-    from sql_env import Task
-    task = Task(id="t", db_path=db, question="q", gold_sql="SELECT customer_id FROM customers WHERE customer_id <= 4")
-    rows = [("SELECT customer_id FROM customers WHERE customer_id <= 4", True), ("SELECT customer_id FROM customers WHERE customer_id <= 2", False),
-            ("SELECT nope", False), (None, False)]
-    group = SimpleNamespace(task=task, trajectories=[SimpleNamespace(submitted_sql=q, correct=c) for q, c in rows])
-    (rewards,), _, _ = train.score_groups([group], None, "", 1.0, None, partial_credit=0.5)
-    assert rewards == pytest.approx([1.5, 0.25, 0.0, 0.0])
-    (plain,), _, _ = train.score_groups([group], None, "", 1.0, None)
-    assert plain == [1.0, 0.0, 0.0, 0.0]
-
-
-def test_exec_credit_rewards_a_submitted_query_that_ran(db):
-    """reward = bonus * correct + exec_credit * (a query was submitted and ran): a group that is all
-    wrong still has signal when some of its queries name tables and columns that exist."""
-    from sql_env import Task
-    task = Task(id="t", db_path=db, question="q", gold_sql="SELECT COUNT(*) FROM customers")
-    rows = [("SELECT COUNT(*) FROM customers", True, False), ("SELECT COUNT(*) FROM orders", False, False),
-            ("SELECT COUNT(*) FROM clients", False, True), (None, False, False)]
-    group = SimpleNamespace(task=task, trajectories=[SimpleNamespace(submitted_sql=q, correct=c, failed_submission=f)
-                                                     for q, c, f in rows])
-    (rewards,), _, _ = train.score_groups([group], None, "", 1.0, None, exec_credit=0.25)
-    assert rewards == pytest.approx([1.25, 0.25, 0.0, 0.0])
-    all_wrong = SimpleNamespace(task=task, trajectories=group.trajectories[1:])
-    (plain,), _, _ = train.score_groups([all_wrong], None, "", 1.0, None)
-    (credited,), _, _ = train.score_groups([all_wrong], None, "", 1.0, None, exec_credit=0.25)
-    assert plain == [0.0, 0.0, 0.0] and credited == [0.25, 0.0, 0.0]   # no signal without the credit, some with it
-
-
-@pytest.mark.parametrize("extra", [["--epochs", "2", "--minibatches", "2"], ["--update", "rft"],
-                                   ["--update", "rft", "--epochs", "2"]])
+@pytest.mark.parametrize("extra", [["--epochs", "4"], ["--update", "rft"], ["--update", "rft", "--epochs", "2"]])
 def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_dir, tmp_path, scripted_judge,
                                                                    monkeypatch, extra):
-    """--epochs 2 --minibatches 2 takes 4 optimizer steps per batch; --update rft one supervised step
+    """--epochs 4 takes 4 optimizer steps per batch; --update rft one supervised step
     on the correct rollouts (here every even rollout is made correct), and as many as GRPO would
     with --epochs 2; each logs it."""
     import agentrl
@@ -401,7 +301,7 @@ def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
     after. The KL term's reference is that start, not the base model: at the first step the policy
     is the reference (KL exactly 0); after it, and after a resume, it has moved away."""
     out = tmp_path / "run"
-    args = ["--sft-steps", "2", "--sft-batch-size", "2", "--max-new-tokens", "130", "--max-turns", "4", "--kl-coef", "0.1"]
+    args = ["--sft-steps", "2", "--max-new-tokens", "130", "--max-turns", "4", "--kl-coef", "0.1"]
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *args))
     records = read_jsonl(out / "metrics.jsonl")
     assert [r["sft_step"] for r in records if "sft_step" in r] == [1, 2]
@@ -427,7 +327,7 @@ def test_a_run_that_evaluates_on_val_never_trains_on_it(tiny_model_dir, tmp_path
         pass
     trained_on = []
 
-    def capture(args, model, tokenizer, eval_sets, train_tasks, *rest):
+    def capture(config, model, tokenizer, train_tasks, *rest):
         trained_on.append({task.id for task in train_tasks})
         raise Stop
     monkeypatch.setattr(train, "start_run", capture)
@@ -445,7 +345,7 @@ def test_val_scores_are_refused_from_an_adapter_or_a_resume_that_trained_on_val(
     would change part way)."""
     def run(name, eval_splits):
         os.makedirs(tmp_path / name / "final")
-        (tmp_path / name / "config.json").write_text(json.dumps({"eval_splits": eval_splits}))
+        (tmp_path / name / "config.json").write_text(json.dumps({"eval_split": ",".join(eval_splits)}))
         (tmp_path / name / "final" / "adapter_config.json").write_text("{}")
         return str(tmp_path / name)
     trained_on_val, held_out = run("all", ["test"]), run("held", ["val"])
@@ -477,22 +377,6 @@ def test_only_the_newest_checkpoints_stay(tiny_model_dir, tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000", "step_0001"]
 
 
-def test_behaviour_counts_by_hand():
-    """The behaviour counters of an evaluation or a step: of 4 trajectories, 3 submit (one of them a
-    query that fails to run), 2 call describe_table; turns to submission average the 3 submitters.
-    Nothing submitted: the per-submission figures are None, not a made-up 0."""
-    from agentrl import Trajectory
-
-    def traj(stop, turns, describes, failed):
-        return Trajectory("t", [], [], [], [], None, False, stop, turns, turns, 0, describes, failed)
-    trajectories = [traj("submitted", 2, 0, True), traj("submitted", 4, 1, False), traj("submitted", 3, 2, False),
-                    traj("max_turns", 4, 0, False)]
-    assert train.behaviour(trajectories) == {"submit_rate": 0.75, "failed_submit_rate": 1 / 3, "describe_rate": 0.5,
-                                             "turns_to_submit": 3.0}
-    none = train.behaviour([traj("max_turns", 4, 1, False)])
-    assert none["failed_submit_rate"] is None and none["turns_to_submit"] is None and none["describe_rate"] == 1.0
-
-
 def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_path, capsys, forks):
     """--eval-processes 2: the run evaluates in forked processes (both evaluations, before and after)
     and its summary says how much the largest of them held, beside this process's peak."""
@@ -502,13 +386,9 @@ def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_
     assert "the largest of the 2 evaluation processes forked at once" in memory, memory
 
 
-@pytest.mark.parametrize("flag, greedy_dtype, sampled_dtype", [
-    ("--eval-dtype", torch.bfloat16, torch.float32), ("--rollout-dtype", torch.float32, torch.bfloat16)])
-def test_eval_and_rollout_dtypes_reach_their_own_episodes(flag, greedy_dtype, sampled_dtype, tiny_model_dir,
-                                                            tmp_path, monkeypatch):
+def test_eval_dtype_reaches_the_evaluations_only(tiny_model_dir, tmp_path, monkeypatch):
     """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (agentrl.Sampling),
-    GRPO's rollouts do not; --rollout-dtype bf16: GRPO's sampled rollouts do, the evaluations keep
-    fp32. The defaults keep fp32 both ways."""
+    GRPO's rollouts do not (the fp32 policy: weight_dtype None). The default keeps fp32."""
     import agentrl
     seen, rollout_groups = [], agentrl.rollout_groups
 
@@ -516,11 +396,10 @@ def test_eval_and_rollout_dtypes_reach_their_own_episodes(flag, greedy_dtype, sa
         seen.append((sampling.greedy, sampling.weight_dtype))
         return rollout_groups(model, tokenizer, tasks, n, sampling, *args, **kwargs)
     monkeypatch.setattr(agentrl, "rollout_groups", recording)
-    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", flag, "bf16"))
-    assert {dtype for greedy, dtype in seen if greedy} == {greedy_dtype}
-    assert {dtype for greedy, dtype in seen if not greedy} == {sampled_dtype}
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-dtype", "bf16"))
+    assert {dtype for greedy, dtype in seen if greedy} == {torch.bfloat16}
+    assert {dtype for greedy, dtype in seen if not greedy} == {None}
     assert train.eval_options(train.parse_args([]))["weight_dtype"] == torch.float32
-    assert train.parse_args([]).rollout_dtype == "fp32"
 
 
 def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
@@ -531,12 +410,12 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     assert record["eval_split"] == "test_schema" and record["eval_tasks"] == 2 and "test_accuracy" not in record
     both = train.run(train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only")))
     assert both["eval_split"] == "test" and both["test_schema_tasks"] == 2
-    assert train.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
+    assert evaluate.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
     out = capsys.readouterr().out
     assert "  test:        accuracy=" in out and "  test_schema: accuracy=" in out and "failed_submit_rate=" in out
     kept = read_json(tmp_path / "r" / "eval_only.json")               # the last evaluation's record, to pair
     assert kept["eval_outcomes"] == both["eval_outcomes"] and kept["test_schema_outcomes"] == both["test_schema_outcomes"]
-    bench.bench_pair(SimpleNamespace(paths=[str(tmp_path / "r")] * 2))     # the data it names has these tasks' templates
+    bench.learn.bench_pair(SimpleNamespace(paths=[str(tmp_path / "r")] * 2))     # the data it names has these tasks' templates
     assert capsys.readouterr().out.count("+0.0 points [+0.0, +0.0] by task, [+0.0, +0.0] by template") == 2
     episodes = read_jsonl(tmp_path / "r" / "evals" / "eval_only_test_schema.jsonl")
     assert "".join("1" if e["correct"] else "0" for e in episodes) == both["test_schema_outcomes"]

@@ -1,0 +1,162 @@
+"""Greedy evaluation on held-out splits: what train.py reports as held-out accuracy.
+
+    sets = load_eval_sets("default", ["test", "test_schema"], size=32)   # {split: tasks}, fixed subsets
+    record = evaluate_splits(model, tokenizer, sets, limits, run_dir, "sft", draft=2)
+    print(format_evals(record, list(sets)))
+
+Contract:
+- One greedy trajectory per task (agentrl.Sampling(greedy=True)): the same model and tasks give
+  the same outcomes, whatever the training seed. The subset of a split is drawn with a seed of
+  its own (load_eval_sets), so runs with different --seed, and the splits test and test_schema
+  (the same questions on another schema), evaluate the same question positions.
+- An evaluation record is flat: the first split's metrics under eval_* keys (eval_accuracy,
+  eval_accuracy_by_tier, eval_outcomes, ...), each other split's under its own name
+  (test_schema_accuracy, ...), and eval_split naming the first. split_metrics reads any split
+  back under the eval_* keys. eval_task_ids with eval_outcomes ("1"/"0" per task, in order)
+  make two records comparable task by task.
+- Under torchrun each process evaluates a contiguous share of the tasks and every process gets
+  the whole record (parallel.shard, parallel.gather); only rank 0 writes episode files.
+- On a CPU, `processes` > 1 forks that many one-thread processes, each with a share of the tasks
+  (parallel.forked), and `weight_dtype` sets the weights' precision while decoding; a GPU runs
+  in one process at the model's own precision.
+"""
+import json
+import os
+import random
+
+import torch
+
+import agentrl
+import lora
+import parallel
+import sql_env
+from files import write_text_atomic
+
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype
+
+
+def load_eval_sets(data, splits, size):
+    """{split: tasks}: each split of `data` (sql_env.load_tasks), or `size` of its tasks drawn with
+    a seed of their own (0: all of them)."""
+    sets = {}
+    for split in splits:
+        tasks = sql_env.load_tasks(data, split)
+        sets[split] = random.Random(0).sample(tasks, min(size, len(tasks))) if size else tasks
+    return sets
+
+
+def behaviour(trajectories):
+    """What the agent does, counted: how often it submits; of its submissions, how many are a query
+    that fails to run (often one whose last run just failed: submitted anyway); how often it looks
+    at a table with describe_table; the turns it takes to submit. None where nothing was submitted."""
+    submitted = [t for t in trajectories if t.stop_reason == "submitted"]
+    return {
+        "submit_rate": len(submitted) / len(trajectories),
+        "failed_submit_rate": sum(t.failed_submission for t in submitted) / len(submitted) if submitted else None,
+        "describe_rate": sum(t.num_describe_calls > 0 for t in trajectories) / len(trajectories),
+        "turns_to_submit": sum(t.num_turns for t in submitted) / len(submitted) if submitted else None,
+    }
+
+
+def episode_record(task, t):
+    """One episode as the run folder keeps it (trajectories/, evals/): the task, what was
+    submitted, whether it was right, why it ended, and the conversation."""
+    return {"task_id": task.id, "difficulty": task.difficulty, "question": task.question, "gold_sql": task.gold_sql,
+            "submitted_sql": t.submitted_sql, "correct": t.correct, "stop_reason": t.stop_reason, "messages": t.messages}
+
+
+def on_cpu_only(weight_dtype, device):
+    """The weights' precision while generating (--eval-dtype; Sampling.weight_dtype) applies on a
+    CPU; a GPU runs the model in half precision already (lora.precision_for): None."""
+    return weight_dtype if device.type == "cpu" else None
+
+
+def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, processes=1, weight_dtype=None):
+    """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
+    and the behaviour counters, under eval_* keys. All tasks go through one engine call, `max_rows`
+    episodes at a time, a finished episode's place taken by the next task (continuous batching);
+    the KV cache is rows x context, so `max_rows` bounds the memory. path: a .jsonl file to write
+    every episode to (episode_record). draft: Sampling.draft. processes: on a CPU, that many forked
+    processes of one thread each, each with a contiguous share of the tasks and its own `max_rows`
+    (parallel.forked). weight_dtype: Sampling.weight_dtype, on a CPU only."""
+    mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
+    greedy = agentrl.Sampling(greedy=True, draft=draft, weight_dtype=on_cpu_only(weight_dtype, model.device))
+
+    def episodes(share):
+        return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
+    if processes > 1 and model.device.type == "cpu":
+        was_training = model.training
+        model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
+        try:
+            with lora.lora_merged(model, greedy.weight_dtype):
+                trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
+        finally:                # a child that died leaves the model as it found it
+            model.train(was_training)
+    else:
+        trajectories = episodes(mine)
+    trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
+    if path and parallel.is_main():
+        write_text_atomic(path, "".join(json.dumps(episode_record(task, t)) + "\n" for task, t in zip(tasks, trajectories)))
+    by_tier = {}
+    for task, t in zip(tasks, trajectories):
+        by_tier.setdefault(task.difficulty, []).append(t.correct)
+    calls = sum(t.num_tool_calls for t in trajectories)
+    return {
+        "eval_accuracy": sum(t.correct for t in trajectories) / len(trajectories),
+        "eval_accuracy_by_tier": {tier: sum(v) / len(v) for tier, v in sorted(by_tier.items())},
+        "eval_mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
+        "eval_tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(calls, 1),
+        "eval_tasks": len(trajectories),
+        "eval_task_ids": [task.id for task in tasks],               # with eval_outcomes: paired comparisons
+        "eval_outcomes": "".join("1" if t.correct else "0" for t in trajectories),
+        **{"eval_" + k: v for k, v in behaviour(trajectories).items()},
+    }
+
+
+def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, **options):
+    """One evaluation record for every held-out split of eval_sets ({split: tasks}), as the module
+    docstring lays it out. With run_dir, the episodes go to run_dir/evals/<label>_<split>.jsonl.
+    options: evaluate's draft, processes and weight_dtype."""
+    record = {}
+    for i, (split, tasks) in enumerate(eval_sets.items()):
+        path = os.path.join(run_dir, "evals", f"{label}_{split}.jsonl") if run_dir else None
+        metrics = evaluate(model, tokenizer, tasks, limits, path=path, **options)
+        record.update(metrics if i == 0 else {split + k[len("eval"):]: v for k, v in metrics.items()})
+    return {"eval_split": next(iter(eval_sets)), **record}
+
+
+def split_metrics(record, split):
+    """One split's metrics from an evaluation record, under the eval_* keys ({} if it has none)."""
+    suffixes = [k[len("eval"):] for k in record if k.startswith("eval_") and k != "eval_split"]
+    name = "eval" if split == record.get("eval_split", split) else split
+    return {"eval" + suffix: record[name + suffix] for suffix in suffixes if name + suffix in record}
+
+
+def format_eval(metrics):
+    """One split's metrics (eval_* keys) as one line."""
+    def rate(key):
+        return "-" if metrics.get(key) is None else f"{metrics[key]:.2f}"
+    tiers = " ".join(f"{tier}={acc:.2f}" for tier, acc in metrics["eval_accuracy_by_tier"].items())
+    return (f"accuracy={metrics['eval_accuracy']:.3f} ({metrics['eval_tasks']} tasks) | {tiers} | "
+            f"turns={metrics['eval_mean_turns']:.2f} | tool_error_rate={metrics['eval_tool_error_rate']:.2f} | "
+            f"failed_submit_rate={rate('eval_failed_submit_rate')} | describe_rate={rate('eval_describe_rate')} | "
+            f"turns_to_submit={rate('eval_turns_to_submit')}")
+
+
+def format_evals(record, splits):
+    """One line per held-out split, the split's name first."""
+    width = max(map(len, splits)) + 1
+    return "\n".join(f"  {split + ':':<{width}} {format_eval(split_metrics(record, split))}" for split in splits)
+
+
+def format_history(records, splits):
+    """Held-out accuracy through a run, one line per split: `0.000 (base) -> 0.156 (sft) -> ...`,
+    each record labelled by its phase or step (records from before a split was added skip it)."""
+    labels = [r.get("phase") or f"step {r['step']}" for r in records]
+    width = max(map(len, splits)) + 1
+    lines = []
+    for split in splits:
+        per_split = [(m, label) for r, label in zip(records, labels) if (m := split_metrics(r, split))]
+        path = " -> ".join(f"{m['eval_accuracy']:.3f} ({label})" for m, label in per_split)
+        lines.append(f"  {split + ':':<{width}} {path}   ({per_split[-1][0]['eval_tasks']} tasks)")
+    return "\n".join(lines)
