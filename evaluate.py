@@ -21,8 +21,11 @@ Contract:
   in one process at the model's own precision.
 """
 import json
+import math
 import os
 import random
+
+import numpy as np
 
 import torch
 
@@ -160,3 +163,59 @@ def format_history(records, splits):
         path = " -> ".join(f"{m['eval_accuracy']:.3f} ({label})" for m, label in per_split)
         lines.append(f"  {split + ':':<{width}} {path}   ({per_split[-1][0]['eval_tasks']} tasks)")
     return "\n".join(lines)
+
+
+# ----------------------------------------------------------------------------- paired comparisons
+def paired_difference(before, after, resamples=10_000, seed=0, clusters=None):
+    """How much `after` beats `before` on the same tasks: per-task outcomes (0/1, paired by position).
+
+    Returns (mean difference, 95% interval, McNemar p). The interval is the paired bootstrap's:
+    resample tasks with replacement, keeping each task's two outcomes together, and take the
+    2.5th and 97.5th percentiles of the mean difference. McNemar's exact test looks only at the
+    discordant tasks (solved by one, not the other): under "no difference" each is a fair coin.
+    Both treat tasks as independent draws. Questions made from one template are not: they are
+    gained or lost together. clusters, a label per task (its template), makes the bootstrap
+    resample whole clusters instead, so the interval speaks for new templates, not new values.
+    """
+    assert len(before) == len(after) > 0, "paired outcomes: the same tasks, in the same order"
+    diffs = np.array(after, dtype=float) - np.array(before, dtype=float)   # (n,) each in {-1, 0, 1}
+    rng = np.random.default_rng(seed)
+    if clusters is None:
+        means = diffs[rng.integers(0, len(diffs), (resamples, len(diffs)))].mean(1)   # (resamples,)
+    else:
+        assert len(clusters) == len(diffs), "one cluster label per task"
+        index = np.unique(np.asarray(clusters), return_inverse=True)[1].ravel()    # (n,) each task's cluster
+        sums, sizes = np.bincount(index, weights=diffs), np.bincount(index)      # (C,) per cluster
+        pick = rng.integers(0, len(sums), (resamples, len(sums)))                # C clusters drawn, with replacement
+        means = sums[pick].sum(1) / sizes[pick].sum(1)                           # the mean over their tasks
+    low, high = np.percentile(means, [2.5, 97.5])
+    gained, lost = int((diffs > 0).sum()), int((diffs < 0).sum())
+    n, k = gained + lost, min(gained, lost)
+    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
+    return float(diffs.mean()), (float(low), float(high)), p
+
+
+def split_outcomes(record) -> dict:
+    """{split: {task id: 0 or 1}} of an evaluation record (evaluate.evaluate_splits: eval_* keys for the
+    first split, SPLIT_* for the others)."""
+    splits = [record["eval_split"]] + [k[:-len("_task_ids")] for k in record
+                                       if k.endswith("_task_ids") and k != "eval_task_ids"]
+    return {split: dict(zip(m["eval_task_ids"], map(int, m["eval_outcomes"])))
+            for split in splits for m in [split_metrics(record, split)]}
+
+
+def paired_line(before, after, templates=None) -> str:
+    """Two evaluations' outcomes ({task id: 0/1}) compared on the tasks both ran, as one line;
+    with templates ({task id: its query template}), the interval by template as well."""
+    tasks = [t for t in before if t in after]
+    if not tasks:
+        raise SystemExit("the two evaluations share no task: nothing to pair")
+    b, a = [before[t] for t in tasks], [after[t] for t in tasks]
+    mean, (low, high), p = paired_difference(b, a)
+    gained, lost = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
+    line = f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: {100 * mean:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}]"
+    if templates:
+        labels = [templates[t] for t in tasks]
+        _, (low, high), _ = paired_difference(b, a, clusters=labels)
+        line += f" by task, [{100 * low:+.1f}, {100 * high:+.1f}] by template ({len(set(labels))} templates)"
+    return line + f", McNemar p={p:.3f}, {gained} gained, {lost} lost"

@@ -12,17 +12,24 @@ What this file adds to RULER:
    branch is printed once, labelled with the ids of the trajectories that share it; trajectory k
    is every block whose label lists k, top to bottom (`parse_serialized` reads it back).
    Identical trajectories are scored once and the score copied.
-2. Robust parsing: JSON is dug out of prose or code fences and matched by `trajectory_id`, never
-   by position; a bad reply gets a short correction and another try; if that fails too, the
-   group comes back unscored instead of raising (the trainer then uses correctness alone).
+2. Robust parsing: the verdict is read only from the answer, after the last closing `</think>`
+   (`</thinking>`, `</reasoning>`), never from the judge's reasoning, which may hold draft scores;
+   reasoning that never closes means no answer (the token budget ran out mid-thought). JSON is dug
+   out of prose or code fences and matched by `trajectory_id`, never by position; a bad reply gets
+   a short correction and another try; if that fails too, the group comes back unscored instead of
+   raising (the trainer then uses correctness alone). The reasoning is kept, clipped, on the result.
 3. Scores on another scale keep their order: a reply above 1 is corrected once; if the judge
    insists, its scores are divided by the scale they evidently use (0-10, 0-100), or min-max
    normalized within the group, and the group is counted as `rescaled`. Negative or non-finite
    scores, and a mix of scales (0.8 beside 7), are parse errors.
 4. Two backends and a cache: `LocalBackend` runs any Hugging Face causal LM greedily (in
    train.py, the policy's base model with the LoRA off); `HTTPBackend` speaks the OpenAI
-   `/v1/chat/completions` protocol (OpenAI, vLLM, Ollama, ...) with the standard library only.
+   `/v1/chat/completions` protocol (OpenAI, vLLM, llama.cpp, Ollama, ...) with the standard library
+   only, asks the server to shape the reply by the verdict's JSON schema, and hands a separate
+   reasoning field back inline as `<think>...</think>`, so one parser reads every judge.
    Results are cached on disk by a hash of (backend, model, prompt).
+5. Calibration: `agreement` measures how often the judge ranks an execution-correct trajectory
+   above a wrong one in the same group (a per-group AUC); near 0.5, the judge adds noise.
 
 Simplifications, and why they are safe:
 - The trie is message-level: two turns that differ in one token are two messages.
@@ -81,6 +88,10 @@ class ParseError(ValueError):
     """A reply that does not contain a usable score for every trajectory."""
 
 
+class ReasoningNeverClosed(ParseError):
+    """A reply whose reasoning block never closed, so it has no answer: the token budget ran out mid-thought."""
+
+
 @dataclass
 class JudgeResult:
     scores: list[float] | None      # (N,) in the order of the conversations; None = unscored
@@ -90,6 +101,7 @@ class JudgeResult:
     rescaled: str = ""              # the scale a reply above [0, 1] was read on: "0-10", "0-100", "min-max"
     error: str = ""                 # why the group is unscored, or the last error retried past
     cached: bool = False
+    reasoning: str = ""             # the judge's reasoning before its verdict (last reply), clipped; for logs, never scored
 
 
 # ---------------------------------------------------------------- serialization
@@ -216,6 +228,35 @@ def build_prompt(conversations: list[list[dict]], rubric: str = DEFAULT_RUBRIC,
 
 
 # ---------------------------------------------------------------- parsing the reply
+# Reasoning judges think before they answer: inline, "<think> ... </think> answer" (the opening tag
+# may be in the chat template's generation prompt, so only the closing one is needed), or in a
+# separate field of the server's message, which HTTPBackend hands back in the same inline form.
+_REASONING_TAG = re.compile(r"<(/?)(?:think|thinking|reasoning)>", re.IGNORECASE)   # group 1: "/" closes
+REASONING_CHARS = 2000   # the reasoning a JudgeResult keeps: its end, where the judge concludes
+
+
+def split_reasoning(text: str) -> tuple[str, str | None]:
+    """(reasoning, answer): the answer is the text after the last closing reasoning tag, or None
+    when a reasoning block opens there and never closes (the reply has no answer; all of it is
+    then reasoning). The reasoning is returned without its tags.
+
+    >>> split_reasoning("<think>1: 0.2? No, 0.9.</think> {...}")
+    ('1: 0.2? No, 0.9.', ' {...}')
+    >>> split_reasoning("{...}"), split_reasoning("<think>1 looks best, so")
+    (('', '{...}'), ('1 looks best, so', None))
+    """
+    tags = list(_REASONING_TAG.finditer(text))
+    cut = max((t.end() for t in tags if t.group(1)), default=0)
+    reasoning, answer = text[:cut], text[cut:]
+    if any(t.start() >= cut for t in tags):      # a block opened after the last close
+        reasoning, answer = text, None
+    return _REASONING_TAG.sub("", reasoning).strip(), answer
+
+
+def _clip(reasoning: str) -> str:
+    return reasoning if len(reasoning) <= REASONING_CHARS else "..." + reasoning[-REASONING_CHARS:]
+
+
 def _find_json(text: str):
     """The first JSON object (or list) in `text` that holds scores: prose and fences skipped."""
     decoder = json.JSONDecoder()
@@ -253,13 +294,20 @@ def _as_score(value) -> float:
 
 
 def parse_scores(text: str, n: int) -> tuple[list[float], list[str]]:
-    """Scores and explanations for ids 1..n from a judge reply, the scores as written (any scale).
+    """Scores and explanations for ids 1..n from a judge reply's answer (split_reasoning: never
+    from its reasoning), the scores as written (any scale).
 
-    Raises ParseError (with a message fit to send back to the judge) when any id is missing,
-    scored twice, or has no finite, non-negative score. Ids outside 1..n are ignored.
+    Raises ParseError (with a message fit to send back to the judge) when the reply has no answer
+    (ReasoningNeverClosed) or an empty one, or when any id is missing, scored twice, or has no
+    finite, non-negative score. Ids outside 1..n are ignored.
     """
+    reasoning, answer = split_reasoning(text)
+    if answer is None:
+        raise ReasoningNeverClosed("your reasoning never closed, so no answer came after it")
+    if not answer.strip():
+        raise ParseError("the reply was empty" + (" after the reasoning" if reasoning else ""))
     found: dict[int, tuple[float, str]] = {}
-    for entry in _find_json(text):
+    for entry in _find_json(answer):
         if not isinstance(entry, dict):
             raise ParseError(f"entry {entry!r} is not an object")
         i = _as_id(entry.get("trajectory_id"))
@@ -317,6 +365,27 @@ def rescale(scores: list[float], scale: str) -> list[float]:
     return [s / SCALES[scale] for s in scores]
 
 
+# ---------------------------------------------------------------- how far to trust the judge
+def agreement(scores: list[float], correct: list[bool]) -> float | None:
+    """How often the judge ranks an execution-correct trajectory above a wrong one in its group:
+    over every (correct, wrong) pair, 1 when the correct one scored higher, 1/2 for a tie, 0 when
+    lower, averaged (the group's AUC). None for a group with nothing to rank: all right or all wrong.
+
+    >>> agreement([0.9, 0.2, 0.5], [True, False, False]), agreement([0.3, 0.3, 0.8], [True, False, False])
+    (1.0, 0.25)
+
+    1.0: the judge always prefers the right answer; 0.5: it ranks as a coin would, and only adds
+    noise to the correctness bonus; below 0.5: it prefers wrong answers.
+    """
+    assert len(scores) == len(correct), f"{len(scores)} scores for {len(correct)} trajectories"
+    right = [s for s, c in zip(scores, correct) if c]
+    wrong = [s for s, c in zip(scores, correct) if not c]
+    if not right or not wrong:
+        return None
+    wins = sum((r > w) + 0.5 * (r == w) for r in right for w in wrong)
+    return wins / (len(right) * len(wrong))
+
+
 # ---------------------------------------------------------------- scoring a group
 def deduplicate(conversations: list[list[dict]]) -> tuple[list[list[dict]], list[int]]:
     """(unique, index): the distinct conversations in first-seen order, and for each conversation
@@ -340,6 +409,9 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
     `max_retries` corrections, give `JudgeResult(scored=False, scores=None, error=...)`.
     Scores above 1 are sent back once with a correction; a judge that insists (or one with no
     correction left) has its scores rescaled into [0, 1] in order (`rescaled` names the scale).
+    Scores come from the answer only; the last reply's reasoning is kept in `reasoning`, clipped
+    to its last REASONING_CHARS characters. A correction turn repeats the judge's answer without
+    its reasoning, as reasoning models' chat templates drop it from the history.
     """
     _check(conversations)
     assert max_retries >= 0, "max_retries must be >= 0"
@@ -357,15 +429,18 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
         path = os.path.join(cache_dir, digest[:2], digest + ".json")
         hit = _read_cache(path)
         if hit is not None:
-            return expand(hit["scores"], hit["explanations"], attempts=0, rescaled=hit["rescaled"], cached=True)
+            return expand(hit["scores"], hit["explanations"], attempts=0, rescaled=hit["rescaled"], cached=True,
+                          reasoning=hit.get("reasoning", ""))
 
     # 3) ask; on an unusable reply, or scores above 1 the first time, ask again with a short correction
-    messages, error, range_corrected = prompt, "", False
+    messages, error, range_corrected, reasoning = prompt, "", False, ""
     for attempt in range(1, max_retries + 2):
         try:
             reply = backend.complete(messages)
         except JudgeError as e:
-            return JudgeResult(None, [], False, attempt, error=f"backend: {e}")
+            return JudgeResult(None, [], False, attempt, error=f"backend: {e}", reasoning=reasoning)
+        reasoning, answer = split_reasoning(reply)
+        reasoning, unclosed = _clip(reasoning), answer is None
         try:
             scores, explanations = parse_scores(reply, len(unique))
             scale = evident_scale(scores)
@@ -376,14 +451,18 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
             if scale == "0-1" or range_corrected or attempt == max_retries + 1:
                 scores, rescaled = rescale(scores, scale), "" if scale == "0-1" else scale
                 if path is not None:
-                    write_text_atomic(path, json.dumps({"scores": scores, "explanations": explanations,
-                                                        "rescaled": rescaled}, ensure_ascii=False))
-                return expand(scores, explanations, attempts=attempt, rescaled=rescaled, error=error)
+                    write_text_atomic(path, json.dumps({"scores": scores, "explanations": explanations, "rescaled": rescaled,
+                                                        "reasoning": reasoning}, ensure_ascii=False))
+                return expand(scores, explanations, attempts=attempt, rescaled=rescaled, error=error, reasoning=reasoning)
             error, range_corrected = f"scores must be from 0 to 1, and this reply's go up to {max(scores):g}", True
         ids = ", ".join(str(i) for i in range(1, len(unique) + 1))
-        messages = prompt + [{"role": "assistant", "content": reply},
+        messages = prompt + [{"role": "assistant", "content": answer or ""},
                              {"role": "user", "content": CORRECTION.format(error=error, ids=ids)}]
-    return JudgeResult(None, [], False, max_retries + 1, error=f"unparseable reply: {error}")
+    if unclosed:   # the last reply was cut off mid-thought: say what to change
+        budget = getattr(backend, "max_tokens", None)
+        error = "the judge's reasoning never closed, so it gave no answer: raise the judge's max tokens" + \
+                (f" (now {budget})" if budget else "")
+    return JudgeResult(None, [], False, max_retries + 1, error=f"unparseable reply: {error}", reasoning=reasoning)
 
 
 def _read_cache(path: str) -> dict | None:
@@ -398,22 +477,25 @@ def _read_cache(path: str) -> dict | None:
 
 # ---------------------------------------------------------------- backends
 # A backend is any object with `cache_id: str` (what identifies its answers: kind + model)
-# and `complete(messages) -> str`, raising JudgeError when it cannot answer.
+# and `complete(messages) -> str`, the judge's whole reply, its reasoning included (inline, in
+# `<think>...</think>` before the answer), raising JudgeError when it cannot answer. Both backends
+# here also have `max_tokens`, the reply's token budget, which an unscored group's error names
+# when the judge's reasoning ran past it.
 class LocalBackend:
     """A Hugging Face causal LM on this machine, decoding greedily within a token budget.
 
     adapter_off: a function returning a context manager under which `model` is the judge, for
     the usual case where the judge is the policy's own base model: the trainer passes
     `lambda: lora.lora_disabled(model)`, so the judge does not drift with the policy (the
-    default, a null context, judges with the model as it is). `max_context` defaults to the
-    model's `max_position_embeddings`; a prompt that leaves fewer than `min_new_tokens` for
-    the reply is refused with a JudgeError.
+    default, a null context, judges with the model as it is). `max_tokens` is the reply's budget
+    (new tokens); `max_context` defaults to the model's `max_position_embeddings`; a prompt that
+    leaves fewer than `min_tokens` for the reply is refused with a JudgeError.
     """
 
-    def __init__(self, model, tokenizer, max_new_tokens: int = 512, max_context: int | None = None,
-                 min_new_tokens: int = 64, name: str | None = None, adapter_off=contextlib.nullcontext):
+    def __init__(self, model, tokenizer, max_tokens: int = 512, max_context: int | None = None,
+                 min_tokens: int = 64, name: str | None = None, adapter_off=contextlib.nullcontext):
         self.model, self.tokenizer, self.adapter_off = model, tokenizer, adapter_off
-        self.max_new_tokens, self.min_new_tokens = max_new_tokens, min_new_tokens
+        self.max_tokens, self.min_tokens = max_tokens, min_tokens
         self.max_context = max_context or model.config.max_position_embeddings
         self.cache_id = "local:" + (name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
 
@@ -422,10 +504,10 @@ class LocalBackend:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         device = next(self.model.parameters()).device
         input_ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)  # (1, T)
-        budget = min(self.max_new_tokens, self.max_context - input_ids.shape[1])
-        if budget < self.min_new_tokens:
+        budget = min(self.max_tokens, self.max_context - input_ids.shape[1])
+        if budget < self.min_tokens:
             raise JudgeError(f"prompt of {input_ids.shape[1]} tokens leaves {budget} of the "
-                             f"{self.max_context}-token context for the reply (need {self.min_new_tokens})")
+                             f"{self.max_context}-token context for the reply (need {self.min_tokens})")
         was_training = self.model.training
         self.model.eval()
         try:
@@ -442,28 +524,77 @@ class LocalBackend:
 
 NO_MODEL_LIST = (404, 405, 501)   # GET /models answered "not here", "not this method", "not implemented"
 
+# The verdict's shape, sent so that a server that constrains decoding makes the judge write it.
+def verdict_schema(n: int | None, pin_ids: bool = False) -> dict:
+    """The JSON schema of a verdict on trajectories 1..n: exactly n entries (any number for n None),
+    each an id, an explanation, then a score (explanation first: the judge explains, then scores).
+    Keywords that OpenAI's strict mode and llama.cpp both take; pin_ids (llama.cpp, whose grammar
+    can) fixes entry k's id to k, so no id is missed or scored twice. No numeric bounds: servers
+    do not enforce them, and the rescaling above reads any scale."""
+    def entry(trajectory_id):
+        return {"type": "object", "additionalProperties": False, "required": ["trajectory_id", "explanation", "score"],
+                "properties": {"trajectory_id": trajectory_id, "explanation": {"type": "string"},
+                               "score": {"type": "number"}}}
+    if n is None:
+        scores = {"type": "array", "items": entry({"type": "integer"})}
+    elif pin_ids:
+        scores = {"type": "array", "prefixItems": [entry({"const": k}) for k in range(1, n + 1)], "minItems": n, "maxItems": n}
+    else:
+        scores = {"type": "array", "items": entry({"type": "integer", "enum": list(range(1, n + 1))}), "minItems": n, "maxItems": n}
+    return {"type": "object", "additionalProperties": False, "required": ["scores"], "properties": {"scores": scores}}
+
+
+def _judged_count(messages: list[dict]) -> int | None:
+    """How many trajectories build_prompt's "Trajectory ids: 1, 2, ..." line asks about; None for another prompt."""
+    found = (re.search(r"^Trajectory ids: (\d+(?:, \d+)*)$", m["content"], re.MULTILINE)
+             for m in messages if m["role"] == "user")
+    match = next(filter(None, found), None)
+    return len(match.group(1).split(", ")) if match else None
+
+
+# The `response_format` ladder, most constrained first. OpenAI's structured-output form first:
+# OpenAI, vLLM, SGLang, Ollama and llama-server honour it, and a server that does not know it
+# refuses it (llama-cpp-python: a 500), where one may ignore llama.cpp's unknown `schema` key
+# without a word. Then llama-cpp-python's form (JSON mode with a schema), JSON mode, nothing.
+RESPONSE_FORMATS = ("json_schema", "json_object+schema", "json_object", "none")
+FORMAT_REFUSED = (400, 422, 500)   # how servers refuse a response_format they do not support
+
+
+def format_body(name: str, n: int | None) -> dict | None:
+    """The request's `response_format` at a rung of RESPONSE_FORMATS, for a verdict on n trajectories (None: send none)."""
+    if name == "json_schema":
+        return {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": verdict_schema(n)}}
+    if name == "json_object+schema":
+        return {"type": "json_object", "schema": verdict_schema(n, pin_ids=True)}
+    return {"type": "json_object"} if name == "json_object" else None
+
 
 class HTTPBackend:
     """Any OpenAI-compatible `/v1/chat/completions` endpoint, with the standard library only.
 
     Arguments fall back to the usual environment variables: OPENAI_BASE_URL (default
     https://api.openai.com/v1), OPENAI_API_KEY (may be empty for a local vLLM or Ollama) and
-    AGENTRL_JUDGE_MODEL. Failures that may pass (429, 5xx, timeouts, refused connections) are
-    retried `max_retries` times, waiting `backoff_s * 2**k` seconds, or what a 429's
-    Retry-After asks (capped at `max_wait_s`). JSON mode is requested; an endpoint that
-    rejects it with a 400 is asked again without it, and never again with it.
+    AGENTRL_JUDGE_MODEL. `max_tokens` is the reply's budget, reasoning included, and `timeout_s`
+    one request's: a reasoning judge needs far more of both than an instruct judge. Failures
+    that may pass (429, 5xx, timeouts, refused connections) are retried `max_retries` times,
+    waiting `backoff_s * 2**k` seconds, or what a 429's Retry-After asks (capped at `max_wait_s`).
+    The verdict's schema is asked for from the rung `response_format` of RESPONSE_FORMATS down:
+    until the server has accepted a format, a 400, 422 or 500 steps down at once (no retry
+    spent), for this request and every later one; after that, those codes mean what they usually do.
+    A separate reasoning field comes back inline (_inline_reasoning).
     """
 
     def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
                  timeout_s: float = 60, max_retries: int = 4, backoff_s: float = 1.0, max_wait_s: float = 60,
-                 max_tokens: int = 2048, json_mode: bool = True):
+                 max_tokens: int = 2048, response_format: str = "json_schema"):
         self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
         self.model = model or os.environ.get("AGENTRL_JUDGE_MODEL")
         if not self.model:
             raise ValueError("no judge model: pass model= or set AGENTRL_JUDGE_MODEL")
+        assert response_format in RESPONSE_FORMATS, f"response_format must be one of {list(RESPONSE_FORMATS)}"
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
         self.timeout_s, self.max_retries, self.backoff_s, self.max_wait_s = timeout_s, max_retries, backoff_s, max_wait_s
-        self.max_tokens, self.json_mode = max_tokens, json_mode
+        self.max_tokens, self.response_format, self.format_accepted = max_tokens, response_format, False
         self.cache_id = f"http:{self.base_url}:{self.model}"
 
     def _headers(self) -> dict:
@@ -491,8 +622,9 @@ class HTTPBackend:
 
     def _post(self, messages: list[dict]) -> str:
         body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.max_tokens}
-        if self.json_mode:
-            body["response_format"] = {"type": "json_object"}
+        shape = format_body(self.response_format, _judged_count(messages))
+        if shape is not None:
+            body["response_format"] = shape
         request = urllib.request.Request(self.base_url + "/chat/completions", json.dumps(body).encode(), self._headers())
         with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
             return response.read().decode("utf-8")
@@ -502,18 +634,20 @@ class HTTPBackend:
         while True:
             wait, why = None, ""
             try:
-                payload = json.loads(self._post(messages))
-                return payload["choices"][0]["message"]["content"] or ""
+                choice = json.loads(self._post(messages))["choices"][0]
+                self.format_accepted = True
+                return _inline_reasoning(choice["message"], choice.get("finish_reason"))
             except urllib.error.HTTPError as e:
                 detail = e.read().decode("utf-8", "replace")[:300]
-                if e.code == 400 and self.json_mode:
-                    self.json_mode = False  # JSON mode unsupported here: ask again without it
+                if e.code in FORMAT_REFUSED and not self.format_accepted and self.response_format != "none":
+                    # refused: ask again one rung down, and start there from now on
+                    self.response_format = RESPONSE_FORMATS[RESPONSE_FORMATS.index(self.response_format) + 1]
                     continue
                 if e.code != 429 and e.code < 500:
                     raise JudgeError(f"HTTP {e.code} from {self.base_url}: {detail}") from None
                 why = f"HTTP {e.code}: {detail}"
                 wait = _retry_after(e.headers.get("Retry-After")) if e.code == 429 else None
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError) as e:
+            except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as e:
                 why = f"malformed response body ({e!r})"
             except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
                 why = f"connection failed: {e!r}"
@@ -521,6 +655,18 @@ class HTTPBackend:
                 raise JudgeError(f"giving up after {retries + 1} requests; last: {why}")
             time.sleep(min(self.max_wait_s, wait if wait is not None else self.backoff_s * 2 ** retries))
             retries += 1
+
+
+def _inline_reasoning(message: dict, finish_reason: str | None) -> str:
+    """A chat completion's message as one text: a reasoning field (`reasoning_content`, or
+    `reasoning`) before the content, `<think>reasoning</think>content`; with no content, and
+    reasoning or a token cap hit (the budget spent thinking, shown or hidden), `<think>reasoning`:
+    reasoning that never closed."""
+    content = message.get("content") or ""
+    reasoning = next((r for r in (message.get("reasoning_content"), message.get("reasoning")) if isinstance(r, str) and r), "")
+    if not content.strip() and (reasoning or finish_reason == "length"):
+        return f"<think>{reasoning}"
+    return f"<think>{reasoning}</think>{content}" if reasoning else content
 
 
 def _retry_after(value: str | None) -> float | None:

@@ -8,8 +8,8 @@ train.py, and progress.png, which `write_plot` draws from the metrics) and write
 one self-contained file any browser opens from disk (no server, no network, no JavaScript; inline
 CSS, the plot as a base64 PNG, long parts folded with <details>).
 
-The page, top to bottom: the config; held-out accuracy by phase (base, after SFT, steps), split
-and tier; the learning curves; then every step and its groups. A group shows its question and
+The page, top to bottom: the config; held-out accuracy by phase (where RL started, steps), split
+and tier, and the start and end paired by question; the learning curves; then every step and its groups. A group shows its question and
 gold SQL, the messages all its trajectories share once (as the judge's prompt prints them:
 judge.shared_prefix_length), then each trajectory, numbered as the judge's prompt numbers them:
 its turns, whether it was correct, its reward, its advantage, the judge's score and explanation.
@@ -31,6 +31,7 @@ import time
 from pathlib import Path
 
 import agentrl
+import evaluate
 import judge
 from files import atomic_path, read_jsonl, write_text_atomic
 from sql_env import TIERS
@@ -166,7 +167,14 @@ def render_evals(metrics) -> str:
     tiers = [t for t in TIERS if t in seen] + sorted(seen - set(TIERS))
     rows = [(esc(phase), esc(split), f"<b>{number(m['accuracy'])}</b>", number(m["tasks"]),
              *(number(m["by_tier"].get(t), 2) for t in tiers)) for phase, split, m in results]
-    return render_table(["phase", "split", "accuracy", "tasks", *map(esc, tiers)], rows)
+    table = render_table(["phase", "split", "accuracy", "tasks", *map(esc, tiers)], rows)
+    start = [r for r in evals if r.get("step") == 0][-1:]     # where RL started, as train.py's summary pairs it
+    if not start or start[0] is evals[-1]:
+        return table
+    before, after = evaluate.split_outcomes(start[0]), evaluate.split_outcomes(evals[-1])
+    paired = "".join(f"<li>{esc(split)}: {esc(evaluate.paired_line(before[split], after[split]))}</li>"
+                     for split in before if split in after)
+    return table + f"<p>RL start &rarr; end, paired by question (95% bootstrap interval, exact McNemar p):</p><ul>{paired}</ul>"
 
 
 def render_plot(png) -> str:
@@ -220,6 +228,10 @@ def render_group(records, step, g) -> str:
     shared = "".join(render_message(m) for m in conversations[0][:prefix])
     trajectories = "".join(render_trajectory(r, c, k, judge_index[k - 1] + 1, prefix, f"s{step:04d}-g{g}-t{k}")
                            for k, (r, c) in enumerate(zip(records, conversations), 1))
+    reasoning = first.get("judge_reasoning") or ""     # the judge's thinking before its verdict, never scored
+    if reasoning:
+        trajectories = (f"<details class=\"prefix\"><summary>the judge's reasoning before its verdict (not scored; "
+                        f"clipped)</summary><pre>{esc(reasoning)}</pre></details>") + trajectories
     return (f'<section class="group" id="s{step:04d}-g{g}"><h3>group {g} &middot; {esc(first.get("difficulty", "?"))} '
             f"&middot; {right}/{len(records)} correct &middot; {esc(first.get('task_id', '?'))}</h3>"
             f'<p class="question">{esc(first.get("question", ""))}</p>'
@@ -236,10 +248,13 @@ def render_steps(metrics, trajectories) -> str:
     parts = []
     for step in steps:
         r = step_records.get(step, {})
-        summary = (f"step {step} &middot; reward {number(r.get('reward_mean'))} &middot; train accuracy "
-                   f"{number(r.get('train_accuracy'))} &middot; {number(r.get('trainable_groups'))} of "
-                   f"{number(r.get('submitted_groups'))} groups trained on"
-                   + (" &middot; update skipped" if r.get("skipped") else ""))
+        summary = (f"step {step} &middot; reward {number(r.get('reward_mean'))} &plusmn; {number(r.get('reward_std'))} "
+                   f"&middot; train accuracy {number(r.get('train_accuracy'))} &middot; mixed groups "
+                   f"{number(r.get('mixed_candidates'))} of {number(r.get('candidate_groups'))} rolled out, "
+                   f"{number(r.get('trainable_groups'))} trained on"
+                   + (f" &middot; judge agreement {number(r['judge_agreement'], 2)} ({r.get('judge_agreement_groups')} groups)"
+                      if r.get("judge_agreement") is not None else "")
+                   + (" &middot; update skipped" if r.get("skipped") else " &middot; update applied"))
         groups = "".join(render_group(records, step, g) for g, records in enumerate(groups_of(trajectories.get(step, [])), 1))
         groups = groups or '<p class="none">no trajectories saved</p>'
         parts.append(f'<details class="step" id="step-{step:04d}"{" open" if step == steps[-1] else ""}>'
@@ -295,7 +310,7 @@ def render(run) -> str:
 <h2>Config</h2>
 {render_config(config)}
 <h2>Held-out accuracy</h2>
-<p class="meta">Greedy, one episode per question; by phase (base model, after the warm start, after a step) and tier.</p>
+<p class="meta">Greedy, one episode per question; by phase (where RL started: after the warm start or the --adapter; after a step) and tier.</p>
 {render_evals(metrics)}
 <h2>Learning curves</h2>
 {render_plot(run['plot'])}
@@ -318,8 +333,9 @@ def write_report(run_dir) -> Path:
 
 
 def write_plot(run_dir, metrics) -> Path:
-    """run_dir/progress.png from the run's metrics records (metrics.jsonl): train reward, accuracy
-    and the share of mixed groups per step, held-out accuracy per split. Returns its path."""
+    """run_dir/progress.png from the run's metrics records (metrics.jsonl): train reward (mean and
+    spread), accuracy, the share of mixed groups and the judge's agreement (when one ran) per step,
+    held-out accuracy per split. Returns its path."""
     import matplotlib        # here, not at the top: only train.py draws, and it is slow to import
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -327,10 +343,18 @@ def write_plot(run_dir, metrics) -> Path:
     train = [r for r in metrics if "reward_mean" in r]
     evals = [r for r in metrics if "eval_accuracy" in r]
     fig, ax = plt.subplots(figsize=(7, 4))
-    ax.plot([r["step"] for r in train], [r["reward_mean"] for r in train], label="train reward (mean)")
-    ax.plot([r["step"] for r in train], [r["train_accuracy"] for r in train], label="train accuracy")
-    mixed = [r for r in train if "mixed_group_rate" in r]    # (not in the records of older runs)
-    ax.plot([r["step"] for r in mixed], [r["mixed_group_rate"] for r in mixed], ":", label="mixed groups (share)")
+    steps, reward = [r["step"] for r in train], [r["reward_mean"] for r in train]
+    ax.plot(steps, reward, label="train reward (mean, \u00b1 sd shaded)")
+    spread = [r.get("reward_std", 0.0) for r in train]       # (not in the records of older runs)
+    ax.fill_between(steps, [m - s for m, s in zip(reward, spread)], [m + s for m, s in zip(reward, spread)], alpha=0.15)
+    ax.plot(steps, [r["train_accuracy"] for r in train], label="train accuracy (every rollout)")
+    mixed = [r for r in train if "candidate_groups" in r]
+    ax.plot([r["step"] for r in mixed], [r["mixed_candidates"] / r["candidate_groups"] for r in mixed], ":",
+            label="mixed groups (share of those rolled out)")
+    judged = [r for r in train if r.get("judge_agreement") is not None]
+    if judged:          # a judge ran: how often it ranked right above wrong (0.5: a coin)
+        ax.plot([r["step"] for r in judged], [r["judge_agreement"] for r in judged], "x-.",
+                label="judge agreement with correctness")
     ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
             label=f"held-out accuracy, {evals[0].get('eval_split', 'eval')} (greedy)" if evals else "held-out accuracy")
     others = [k for k in (evals[0] if evals else {}) if k.endswith("_accuracy") and k != "eval_accuracy"]

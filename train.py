@@ -51,11 +51,12 @@ import parallel
 import report
 import sql_env
 from evaluate import (WEIGHT_DTYPES, behaviour, episode_record, evaluate_splits, format_evals, format_history,
-                      load_eval_sets)
+                      load_eval_sets, paired_line, split_outcomes)
 from files import read_json, read_jsonl, write_text_atomic
 
 DRAFT_TOKENS = 2       # prompt-lookup tokens a row checks per forward, in rollouts and evaluations (Sampling.draft)
 FRONTIER_SHARE = 0.75  # share of a step's tasks drawn from the frontier (sample_tasks)
+CANDIDATES = 2        # tasks rolled out per group trained on: the mixed groups among them are kept (mixed_first)
 SFT_BATCH_SIZE = 2     # demonstrations per warm-start step
 
 
@@ -73,8 +74,8 @@ class Config:
     lora_alpha: float = knob(32.0, "LoRA alpha (scale = alpha / r)")
     data: str = knob("default", "'default' (the embedded set), or a Spider or BIRD folder")
     train_split: str = knob("train", "split to train on (embedded set: train, train_mixed, train_wide)")
-    eval_split: str | None = knob(None, "held-out splits, comma-separated; None: test,test_schema (Spider/BIRD: dev); "
-                                        "val: held out of train")
+    eval_split: str | None = knob(None, "held-out splits, comma-separated (test, test_schema, val: a slice of "
+                                        "train); None: test, or dev")
     steps: int = knob(4, "GRPO steps")
     groups_per_step: int = knob(2, "tasks per step")
     group_size: int = knob(8, "trajectories per task (the N of GRPO)")
@@ -82,9 +83,10 @@ class Config:
     max_new_tokens: int = knob(128, "sampled tokens per turn")
     max_context: int = knob(2048, "tokens per trajectory, prompt included")
     temperature: float = knob(0.5, "sampling temperature of the rollouts")
-    judge: Literal["auto", "local", "http", "none"] = knob("auto", "auto: local on a GPU, none (the bonus alone) on a CPU")
+    judge: str = knob("auto", "auto (GPU: local, CPU: none), local, none (bonus alone), http ($OPENAI_BASE_URL) or a URL")
     judge_model: str | None = knob(None, "local: HF id or folder (None: the policy's base model); http: model name")
-    judge_url: str | None = knob(None, "http: OpenAI-compatible base URL (None: $OPENAI_BASE_URL)")
+    judge_max_tokens: int = knob(1024, "tokens the judge may write per reply (a reasoning judge needs several thousand)")
+    judge_timeout: float = knob(60.0, "http: seconds to wait for one reply")
     rubric: str | None = knob(None, "file with a rubric replacing the default one")
     bonus: float = knob(1.0, "reward added for an execution-correct answer")
     sft_steps: int = knob(48, "supervised steps on gold demonstrations before RL; 0: none")
@@ -100,23 +102,22 @@ class Config:
     micro_batch_size: int = knob(1, "sequences per forward/backward")
     grad_checkpointing: bool = knob(True, "recompute each layer in the backward instead of keeping activations")
     eval_every: int = knob(0, "evaluate every K steps (0: only before and after training)")
-    eval_size: int = knob(32, "held-out tasks per evaluation, the same whatever --seed (0: all)")
-    eval_processes: int = knob(1, "on a CPU, evaluate in this many forked one-thread processes")
-    eval_dtype: Literal["fp32", "bf16"] = knob("fp32", "on a CPU, the weights' precision in evaluations")
+    eval_size: int = knob(0, "held-out tasks per evaluation, the same whatever --seed (0: all)")
+    eval_processes: int = knob(0, "on a CPU, evaluate in this many forked one-thread processes (0: one per core)")
+    eval_dtype: Literal["fp32", "bf16"] = knob("bf16", "on a CPU, the weights' precision in evaluations")
     eval_only: bool = knob(False, "evaluate --model/--adapter on --eval-split, write the record to --out, exit")
-    start_eval: bool = knob(True, "evaluate the starting model before training")
     out: str = knob("runs/default", "run folder")
     resume: bool = knob(False, "continue the run in --out from its last checkpoint")
     seed: int = knob(0, "seeds tasks, sampling and LoRA init")
 
     @property
     def eval_splits(self) -> list[str]:
-        names = self.eval_split or ("test,test_schema" if self.data == "default" else "dev")
+        names = self.eval_split or ("test" if self.data == "default" else "dev")
         return [split.strip() for split in names.split(",") if split.strip()]
 
 
 GPU_DEFAULTS = dict(steps=40, groups_per_step=8, max_new_tokens=256, max_context=4096, temperature=1.0, sft_steps=0,
-                    lr=5e-5, micro_batch_size=4, eval_every=10, eval_size=0)   # the only defaults a GPU changes
+                    lr=5e-5, micro_batch_size=4, eval_every=10, eval_split="test,test_schema")   # the only defaults a GPU changes
 SECTIONS = {"model": "model and LoRA", "data": "data", "steps": "rollouts", "judge": "judge and reward",
             "sft_steps": "supervised warm start", "update": "update", "eval_every": "evaluation and run"}
 
@@ -153,7 +154,7 @@ def parse_args(argv=None) -> Config:
 def check(c):
     """Raise ValueError naming the flag of the first setting that cannot run."""
     positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size",
-                "lora_r", "epochs"]
+                "lora_r", "epochs", "judge_max_tokens"]
     held_out = "val" in c.eval_splits    # the validation slice of train, then never trained on
     adapter_run = c.adapter and os.path.dirname(os.path.normpath(c.adapter))
     problems = [
@@ -164,7 +165,10 @@ def check(c):
         *[(getattr(c, name) < 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}") for name in positive],
         (c.group_size < 2 and not c.eval_only, "--group-size must be >= 2: GRPO compares trajectories within a group"),
         (not 0 < c.temperature <= 10, "--temperature must be in (0, 10]"),
-        (not 1 <= c.eval_processes <= 64, "--eval-processes must be in [1, 64]"),
+        (not 0 <= c.eval_processes <= 64, "--eval-processes must be in [0, 64]"),
+        (c.judge not in ("auto", "local", "none", "http") and not c.judge.startswith(("http://", "https://")),
+         f"--judge {c.judge!r}: auto, local, none, http, or the URL of an OpenAI-compatible server"),
+        (c.judge_timeout <= 0, f"--judge-timeout must be > 0, got {c.judge_timeout}"),
         (c.data != "default" and not os.path.isdir(c.data),
          f"--data {c.data!r}: no such folder (expected 'default' or a Spider/BIRD folder)"),
         (c.adapter and not os.path.isfile(os.path.join(c.adapter, "adapter_config.json")),
@@ -220,21 +224,31 @@ def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=FRONTIER_SHAR
     return [by_id[tid] for tid in chosen]
 
 
-def update_task_stats(task_stats, groups, momentum=0.7):
-    """Record each group's pass rate: a running rate per tier, the last one per task."""
-    for group in groups:
-        accuracy = sum(t.correct for t in group.trajectories) / len(group.trajectories)
-        tier = group.task.difficulty
+def pass_rate(group):
+    return sum(t.correct for t in group.trajectories) / len(group.trajectories)
+
+
+def mixed_first(groups, k):
+    """The k groups a step trains on: the mixed ones (0 < pass rate < 1) first, in the order drawn,
+    then the others. Without a judge a group all right or all wrong has no advantage to learn from;
+    with one, its scores may still tell its rollouts apart."""
+    return sorted(groups, key=lambda group: not 0 < pass_rate(group) < 1)[:k]
+
+
+def update_task_stats(task_stats, pass_rates, momentum=0.7):
+    """Record each rolled-out group's pass rate, pass_rates [(task, rate)]: a running rate per tier,
+    the last one per task."""
+    for task, accuracy in pass_rates:
+        tier = task.difficulty
         task_stats["tiers"][tier] = momentum * task_stats["tiers"].get(tier, 0.5) + (1 - momentum) * accuracy
-        task_stats["tasks"][group.task.id] = accuracy
+        task_stats["tasks"][task.id] = accuracy
 
 
 # ----------------------------------------------------------------------------- warm start
-def warm_start(config, model, tokenizer, train_tasks, limits, grpo_config, metrics_path, use_grad_scaler):
-    """Supervised steps on gold demonstrations (agentrl.demonstration), tokenized as a rollout records
-    them: a small model rarely solves a task from scratch, and GRPO learns nothing from groups all
-    wrong. Demonstrations with a turn over --max-new-tokens are left out, and counted; so is one cut
-    by --max-context before it submits (sft_dropped). The adapter is saved to --out/sft."""
+def sft_batches(config, tokenizer, train_tasks, limits):
+    """The warm start's tasks, one batch of SFT_BATCH_SIZE per --sft-steps, drawn with a seed of their
+    own, so a resumed run knows them again. A demonstration with a turn over --max-new-tokens is
+    left out, and counted."""
     def fits(task):
         return all(len(tokenizer(turn, add_special_tokens=False).input_ids) < limits.max_new_tokens
                    for turn in agentrl.gold_turns(task, max_turns=limits.max_turns))
@@ -243,14 +257,21 @@ def warm_start(config, model, tokenizer, train_tasks, limits, grpo_config, metri
         raise SystemExit(f"--sft-steps: no gold demonstration fits --max-new-tokens {limits.max_new_tokens}; raise it")
     print(f"sft: {len(demo_tasks)} look demonstrations ({len(train_tasks) - len(demo_tasks)} left out: "
           f"a turn exceeds --max-new-tokens)")
+    rng = random.Random(config.seed + 1)
+    return [rng.sample(demo_tasks, min(SFT_BATCH_SIZE, len(demo_tasks))) for _ in range(config.sft_steps)]
+
+
+def warm_start(config, model, tokenizer, batches, limits, grpo_config, metrics_path, use_grad_scaler):
+    """Supervised steps on gold demonstrations (agentrl.demonstration) of the tasks in batches
+    (sft_batches), tokenized as a rollout records them: a small model rarely solves a task from
+    scratch, and GRPO learns nothing from groups all wrong. A demonstration cut by --max-context
+    before it submits is left out, and counted (sft_dropped). The adapter is saved to --out/sft."""
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=config.sft_lr, weight_decay=0.0)
     device_type = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(device_type, enabled=use_grad_scaler)  # its own, like its optimizer
-    rng = random.Random(config.seed + 1)
-    for step in tqdm(range(1, config.sft_steps + 1), desc="sft", dynamic_ncols=True, disable=not parallel.is_main()):
+    for step, tasks in enumerate(tqdm(batches, desc="sft", dynamic_ncols=True, disable=not parallel.is_main()), 1):
         t0 = time.time()
-        batch = [agentrl.demonstration(tokenizer, task, limits=limits)
-                 for task in rng.sample(demo_tasks, min(SFT_BATCH_SIZE, len(demo_tasks)))]
+        batch = [agentrl.demonstration(tokenizer, task, limits=limits) for task in tasks]
         dropped = sum(t.stop_reason != "submitted" for t in batch)    # cut by --max-context before submitting
         batch = [t for t in batch if t.stop_reason == "submitted"]
         if not batch:
@@ -269,15 +290,19 @@ def make_judge(config, model, tokenizer, device):
     """Return a judge backend, or None for `--judge none` (rewards = correctness bonus alone). An
     http endpoint that does not answer at start is an error."""
     kind = config.judge if config.judge != "auto" else ("local" if device.type == "cuda" else "none")
-    if kind == "http":
-        backend = judge_lib.HTTPBackend(base_url=config.judge_url, model=config.judge_model)
+    if kind.startswith("http"):
+        url = kind if "://" in kind else None     # --judge http: $OPENAI_BASE_URL
+        backend = judge_lib.HTTPBackend(base_url=url, model=config.judge_model, max_tokens=config.judge_max_tokens,
+                                        timeout_s=config.judge_timeout)
         if (problem := backend.check()) is not None:
-            raise SystemExit(f"judge endpoint unreachable: {problem}\nfix --judge-url, or train with --judge local or none")
+            raise SystemExit(f"judge endpoint unreachable: {problem}\nfix --judge URL, or train with --judge local or none")
         return backend
     if kind == "local" and config.judge_model:
-        return judge_lib.LocalBackend(*lora.load_model(config.judge_model, device=device))
-    if kind == "local":
-        return judge_lib.LocalBackend(model, tokenizer)  # the policy's base model, LoRA switched off
+        return judge_lib.LocalBackend(*lora.load_model(config.judge_model, device=device),
+                                      max_tokens=config.judge_max_tokens)
+    if kind == "local":   # the policy's base model, its LoRA switched off while it judges
+        return judge_lib.LocalBackend(model, tokenizer, max_tokens=config.judge_max_tokens,
+                                      adapter_off=lambda: lora.lora_disabled(model))
     return None
 
 
@@ -308,6 +333,30 @@ def judge_counters(results):
             "judge_corrections": sum(max(0, r.attempts - 1) for r in results)}
 
 
+def judge_agreement(groups, results):
+    """How far to trust the judge this step: over the groups it scored that hold both right and
+    wrong rollouts, the mean share of (right, wrong) pairs it ranked the right way (judge.agreement),
+    and how many groups that is. None where no group had both."""
+    values = [a for group, r in zip(groups, results) if r.scored and
+              (a := judge_lib.agreement(r.scores, [t.correct for t in group.trajectories])) is not None]
+    return {"judge_agreement": sum(values) / len(values) if values else None, "judge_agreement_groups": len(values)}
+
+
+def judge_noise_warning(records, least_groups=8, margin=0.1):
+    """A plain warning, or None: the judge's agreement with execution correctness over the run's
+    step records so far is within `margin` of the 0.5 a coin would score (after `least_groups` groups)."""
+    counted = [r for r in records if r.get("judge_agreement") is not None]
+    groups = sum(r["judge_agreement_groups"] for r in counted)
+    if groups < least_groups:
+        return None
+    mean = sum(r["judge_agreement"] * r["judge_agreement_groups"] for r in counted) / groups
+    if abs(mean - 0.5) >= margin:
+        return None
+    return (f"warning: over {groups} groups the judge ranked a right rollout above a wrong one {mean:.0%} of the "
+            f"time, about as often as a coin would: its scores add noise to the reward. Try a stronger "
+            f"--judge-model, or train on correctness alone with --judge none.")
+
+
 # ----------------------------------------------------------------------------- logging
 def append_jsonl(path, record):
     if not parallel.is_main():   # every writer of the run folder: rank 0 only
@@ -316,15 +365,20 @@ def append_jsonl(path, record):
         f.write(json.dumps(record) + "\n")
 
 
-def step_record(step, groups, rewards, counts, stats, **extra):
-    """One step's metrics: the line printed and the record in metrics.jsonl. counts: from
-    grpo.batch_from_groups; stats: from grpo.grpo_step; extra: judge failures and times."""
+def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
+    """One step's metrics, the record in metrics.jsonl (step_line prints the gist). groups and
+    rewards: the groups kept for the update; pass_rates: every rolled-out group's [(task, rate)];
+    counts: from grpo.batch_from_groups; stats: from the update; extra: judge failures and times."""
     trajectories = [t for g in groups for t in g.trajectories]
     flat_rewards = [r for rs in rewards for r in rs]
+    reward_mean = sum(flat_rewards) / len(flat_rewards)
     return {
         "step": step,
-        "reward_mean": sum(flat_rewards) / len(flat_rewards),
-        "train_accuracy": sum(t.correct for t in trajectories) / len(trajectories),
+        "reward_mean": reward_mean,
+        "reward_std": (sum((r - reward_mean) ** 2 for r in flat_rewards) / len(flat_rewards)) ** 0.5,
+        "train_accuracy": sum(rate for _, rate in pass_rates) / len(pass_rates),   # every candidate's rollouts
+        "candidate_groups": len(pass_rates),
+        "mixed_candidates": sum(0 < rate < 1 for _, rate in pass_rates),
         "trainable_groups": counts["trainable_groups"],
         "mixed_group_rate": counts["trainable_groups"] / len(groups),
         "zero_variance_groups": counts["zero_variance_groups"],
@@ -338,6 +392,21 @@ def step_record(step, groups, rewards, counts, stats, **extra):
         **extra,
         **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
     }
+
+
+def step_line(record, steps):
+    """A step as one line: the signal found, the reward, how far the update moved, whether it ran."""
+    clipped = (f"clipped {record['clip_frac_low'] + record['clip_frac_high']:.1%} of tokens | "
+               if "clip_frac_low" in record else "")       # (--update rft clips nothing)
+    update = f"update skipped ({record.get('skip_reason', 'unknown')})" if record["skipped"] else clipped + "update applied"
+    judged = (f" | judge agreement {record['judge_agreement']:.2f} ({record['judge_agreement_groups']} groups)"
+              if record.get("judge_agreement") is not None else "")
+    if record.get("judge_failed_groups") or record.get("judge_rescaled_groups") or record.get("judge_corrections"):
+        judged += (f" | judge: {record['judge_failed_groups']} groups failed, {record['judge_rescaled_groups']} "
+                   f"rescaled, {record['judge_corrections']} corrections")
+    return (f"step {record['step']}/{steps} | mixed groups {record['mixed_candidates']}/{record['candidate_groups']}, "
+            f"{record['trainable_groups']} trained on | reward {record['reward_mean']:.2f} ± {record['reward_std']:.2f} | "
+            f"train accuracy {record['train_accuracy']:.2f} | {update}{judged} | {record['time_step']:.0f} s")
 
 
 def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
@@ -354,6 +423,7 @@ def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
                 "step": step, "group": g, **episode_record(group.task, t),
                 "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
                 "judge_explanation": result.explanations[i] if result.explanations else "",
+                "judge_reasoning": result.reasoning,
                 "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled}) + "\n")
     write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
 
@@ -365,6 +435,12 @@ def print_summary(config, metrics_path, final_dir):
     print("\n" + "=" * 72)
     print(f"held-out accuracy (greedy):\n{format_history(evals, config.eval_splits)}")
     print(f"final eval:\n{format_evals(evals[-1], config.eval_splits)}")
+    start = [r for r in evals if r["step"] == 0][-1]     # where RL started: after the warm start, or the --adapter
+    if evals[-1] is not start:
+        before, after = split_outcomes(start), split_outcomes(evals[-1])
+        print("RL start -> end, paired by question (95% bootstrap interval, exact McNemar p):")
+        for split in config.eval_splits:
+            print(f"  {split + ':':<{max(map(len, config.eval_splits)) + 1}} {paired_line(before[split], after[split])}")
     steps = [r for r in records if "reward_mean" in r]
     print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
           f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
@@ -375,8 +451,8 @@ def print_summary(config, metrics_path, final_dir):
               f"temperature {config.temperature:.2f}")
     unit = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit if config.eval_processes > 1 else 0
-    forked = (f"; the largest of the {config.eval_processes} evaluation processes forked at once "
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit if eval_processes(config) > 1 else 0
+    forked = (f"; the largest of the {eval_processes(config)} evaluation processes forked at once "
               f"{children / 2**30:.1f} GiB, the pages it shares with this one included" if children else "")
     print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started){forked}")
     print(f"adapter:    {final_dir}  (PEFT layout)")
@@ -389,7 +465,13 @@ def print_summary(config, metrics_path, final_dir):
 # ----------------------------------------------------------------------------- the run
 def eval_options(config) -> dict:
     """evaluate's keyword arguments from the config: drafts, processes, the weights' precision."""
-    return dict(draft=DRAFT_TOKENS, processes=config.eval_processes, weight_dtype=WEIGHT_DTYPES[config.eval_dtype])
+    return dict(draft=DRAFT_TOKENS, processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.eval_dtype])
+
+
+def eval_processes(config) -> int:
+    """--eval-processes, where 0 is one per core this process may run on."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()   # (macOS: no affinity)
+    return config.eval_processes or cores
 
 
 def run(config, score=score_groups):
@@ -404,9 +486,10 @@ def run(config, score=score_groups):
         return run_process(config, device, score)
 
 
-def start_run(config, model, tokenizer, train_tasks, limits, grpo_config, precision, evaluation):
-    """A fresh run: clear an earlier run's checkpoints in --out, write config.json, evaluate the
-    starting model, then (--sft-steps) warm start and evaluate again (evaluation: run_process's)."""
+def start_run(config, model, tokenizer, sft_tasks, limits, grpo_config, precision, evaluation):
+    """A fresh run: clear an earlier run's checkpoints in --out, write config.json, (--sft-steps)
+    warm start, then evaluate where RL starts (evaluation: run_process's). The base model alone:
+    `--eval-only` without --adapter."""
     metrics_path = os.path.join(config.out, "metrics.jsonl")
     if parallel.is_main():
         if os.path.isdir(os.path.join(config.out, "checkpoints")):
@@ -414,14 +497,12 @@ def start_run(config, model, tokenizer, train_tasks, limits, grpo_config, precis
             shutil.rmtree(os.path.join(config.out, "checkpoints"))
         write_text_atomic(metrics_path, "")
         write_text_atomic(os.path.join(config.out, "config.json"), json.dumps(asdict(config), indent=2))
-    if config.start_eval:
-        phase = "start" if config.adapter else "base"
-        record = evaluation(phase, step=0, phase=phase)
-        print(f"eval step 0 ({config.adapter or 'base model'}):\n{format_evals(record, config.eval_splits)}")
     if config.sft_steps:
-        warm_start(config, model, tokenizer, train_tasks, limits, grpo_config, metrics_path, precision.use_grad_scaler)
-        record = evaluation("sft", step=0, phase="sft")
-        print(f"eval step 0 (after {config.sft_steps} SFT steps):\n{format_evals(record, config.eval_splits)}")
+        warm_start(config, model, tokenizer, sft_tasks, limits, grpo_config, metrics_path, precision.use_grad_scaler)
+    phase = "sft" if config.sft_steps else "start"
+    record = evaluation(phase, step=0, phase=phase)
+    where = f"after {config.sft_steps} SFT steps" if config.sft_steps else (config.adapter or "base model")
+    print(f"eval step 0 ({where}):\n{format_evals(record, config.eval_splits)}")
 
 
 def run_process(config, device, score):
@@ -465,7 +546,12 @@ def run_process(config, device, score):
     if "val" in config.eval_splits:   # the validation slice is never trained on, by SFT or RL
         held_out = {task.id for task in sql_env.load_tasks(config.data, "val")}
         train_tasks = [task for task in train_tasks if task.id not in held_out]
-    tasks_by_tier = {tier: [t for t in train_tasks if t.difficulty == tier] for tier in {t.difficulty for t in train_tasks}}
+    sft_tasks = sft_batches(config, tokenizer, train_tasks, limits) if config.sft_steps else []
+    # RL draws from the tasks the warm start demonstrated, where there was one: each seen solved once,
+    # the policy now solves some of them some of the time, so a group there is mixed far more often
+    # than on a task it never saw (README, "What the default run prints"); else from the train split
+    rl_tasks = list({task.id: task for batch in sft_tasks for task in batch}.values()) or train_tasks
+    tasks_by_tier = {tier: [t for t in rl_tasks if t.difficulty == tier] for tier in {t.difficulty for t in rl_tasks}}
     judge_backend = make_judge(config, model, tokenizer, device)
     rubric = Path(config.rubric).read_text() if config.rubric else judge_lib.DEFAULT_RUBRIC
     judge_cache = os.path.join(config.out, "judge_cache") if parallel.is_main() else None   # rank 0 writes
@@ -488,7 +574,7 @@ def run_process(config, device, score):
         start_state = lora.lora_state(model, start_folder) if config.kl_coef > 0 else None
         print(f"resumed from {folder} at step {start_step}")
     elif not config.resume:
-        start_run(config, model, tokenizer, train_tasks, limits, grpo_config, precision, evaluation)
+        start_run(config, model, tokenizer, sft_tasks, limits, grpo_config, precision, evaluation)
         if parallel.is_main():
             checkpoint.save(config.out, model, optimizer, scaler, 0, task_stats)
             lora.save_adapter(model, start_folder)
@@ -499,16 +585,23 @@ def run_process(config, device, score):
 
     bar = tqdm(range(start_step + 1, config.steps + 1), initial=start_step, total=config.steps, desc="train",
                dynamic_ncols=True, disable=not parallel.is_main())
+    step_records = [r for r in read_jsonl(metrics_path, skip_unreadable=True)[0] if "reward_mean" in r] if parallel.is_main() else []
+    warned = False   # judge_noise_warning, once a run
     for step in bar:
         t0 = time.time()
         step_seed = config.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
-        # 1) tasks: the same draw on every process, each rolls out its contiguous share
-        tasks = parallel.shard(sample_tasks(tasks_by_tier, task_stats, config.groups_per_step, random.Random(step_seed)))
+        # 1) tasks: CANDIDATES per group to train on, the same draw on every process; each rolls out its share
+        draw = sample_tasks(tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step, random.Random(step_seed))
+        candidates = parallel.shard(draw)
 
-        # 2) rollouts, seeded by step and process (in one process, by the step's seed)
+        # 2) rollouts, seeded by step and process (in one process, by the step's seed); the groups kept
+        #    are the mixed ones first, up to this process's share of --groups-per-step
         sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank, draft=DRAFT_TOKENS)
-        groups = agentrl.rollout_groups(model, tokenizer, tasks, config.group_size, sampling, limits)
+        rolled = agentrl.rollout_groups(model, tokenizer, candidates, config.group_size, sampling, limits,
+                                        max_rows=config.groups_per_step * config.group_size)   # the kept groups' memory
+        groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
         t_rollout = time.time() - t0
+        pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled]) for task, rate in share]
 
         # 3) reward = judge score + bonus * correct (score_groups, or the `score` run was given)
         rewards, results, judge_failed = score(groups, judge_backend, rubric, config.bonus, judge_cache)
@@ -536,18 +629,20 @@ def run_process(config, device, score):
         groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(
             groups, rewards, results, counts, stats, judge_failed, times)   # every process's, as one process's
         frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
-        update_task_stats(task_stats, groups)
+        update_task_stats(task_stats, pass_rates)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
-        record = step_record(step, groups, rewards, counts, stats, judge_failed_groups=judge_failed,
-                             **judge_counters(results), frontier_tasks=frontier_before, **times,
-                             time_step=time.time() - t0)
+        record = step_record(step, groups, rewards, counts, stats, pass_rates, judge_failed_groups=judge_failed,
+                             **judge_counters(results), **judge_agreement(groups, results),
+                             frontier_tasks=frontier_before, **times, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
         write_trajectories(config.out, step, groups, rewards, results, trained)
-        if stats.get("skipped"):
-            tqdm.write(f"step {step}: update skipped ({stats.get('skip_reason', 'unknown')})")
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}", s=f"{record['time_step']:.0f}")
-        tqdm.write(" | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}" for k, v in record.items()))
+        tqdm.write(step_line(record, config.steps))
+        step_records.append(record)
+        if not warned and (warning := judge_noise_warning(step_records)):
+            tqdm.write(warning)
+            warned = True
 
         # 7) evaluate and checkpoint
         if config.eval_every and step % config.eval_every == 0 and step != config.steps:

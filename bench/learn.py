@@ -20,45 +20,14 @@ import textwrap
 import time
 from dataclasses import asdict
 
-import numpy as np
-
 import agentrl
 import evaluate
 import lora
 import sql_env
 import train
 from bench.common import record_mean, run_records
+from evaluate import paired_difference, paired_line, split_outcomes
 from files import read_json, read_jsonl
-
-
-# ---------------------------------------------------------------- paired statistics
-def paired_difference(before, after, resamples=10_000, seed=0, clusters=None):
-    """How much `after` beats `before` on the same tasks: per-task outcomes (0/1, paired by position).
-
-    Returns (mean difference, 95% interval, McNemar p). The interval is the paired bootstrap's:
-    resample tasks with replacement, keeping each task's two outcomes together, and take the
-    2.5th and 97.5th percentiles of the mean difference. McNemar's exact test looks only at the
-    discordant tasks (solved by one, not the other): under "no difference" each is a fair coin.
-    Both treat tasks as independent draws. Questions made from one template are not: they are
-    gained or lost together. clusters, a label per task (its template), makes the bootstrap
-    resample whole clusters instead, so the interval speaks for new templates, not new values.
-    """
-    assert len(before) == len(after) > 0, "paired outcomes: the same tasks, in the same order"
-    diffs = np.array(after, dtype=float) - np.array(before, dtype=float)   # (n,) each in {-1, 0, 1}
-    rng = np.random.default_rng(seed)
-    if clusters is None:
-        means = diffs[rng.integers(0, len(diffs), (resamples, len(diffs)))].mean(1)   # (resamples,)
-    else:
-        assert len(clusters) == len(diffs), "one cluster label per task"
-        index = np.unique(np.asarray(clusters), return_inverse=True)[1].ravel()    # (n,) each task's cluster
-        sums, sizes = np.bincount(index, weights=diffs), np.bincount(index)      # (C,) per cluster
-        pick = rng.integers(0, len(sums), (resamples, len(sums)))                # C clusters drawn, with replacement
-        means = sums[pick].sum(1) / sizes[pick].sum(1)                           # the mean over their tasks
-    low, high = np.percentile(means, [2.5, 97.5])
-    gained, lost = int((diffs > 0).sum()), int((diffs < 0).sum())
-    n, k = gained + lost, min(gained, lost)
-    p = min(1.0, 2 * sum(math.comb(n, i) for i in range(k + 1)) / 2 ** n) if n else 1.0
-    return float(diffs.mean()), (float(low), float(high)), p
 
 
 def query_template(sql) -> str:
@@ -83,32 +52,6 @@ def headroom(adapter, tasks_by_split, k, seed, limits, model_name=None) -> dict:
         correct = [sum(t.correct for t in g.trajectories) for g in groups]
         rates[split] = (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
     return rates
-
-
-def split_outcomes(record) -> dict:
-    """{split: {task id: 0 or 1}} of an evaluation record (evaluate.evaluate_splits: eval_* keys for the
-    first split, SPLIT_* for the others)."""
-    splits = [record["eval_split"]] + [k[:-len("_task_ids")] for k in record
-                                       if k.endswith("_task_ids") and k != "eval_task_ids"]
-    return {split: dict(zip(m["eval_task_ids"], map(int, m["eval_outcomes"])))
-            for split in splits for m in [evaluate.split_metrics(record, split)]}
-
-
-def paired_line(before, after, templates=None) -> str:
-    """Two evaluations' outcomes ({task id: 0/1}) compared on the tasks both ran, as one line;
-    with templates ({task id: its query template}), the interval by template as well."""
-    tasks = [t for t in before if t in after]
-    if not tasks:
-        raise SystemExit("the two evaluations share no task: nothing to pair")
-    b, a = [before[t] for t in tasks], [after[t] for t in tasks]
-    mean, (low, high), p = paired_difference(b, a)
-    gained, lost = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
-    line = f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: {100 * mean:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}]"
-    if templates:
-        labels = [templates[t] for t in tasks]
-        _, (low, high), _ = paired_difference(b, a, clusters=labels)
-        line += f" by task, [{100 * low:+.1f}, {100 * high:+.1f}] by template ({len(set(labels))} templates)"
-    return line + f", McNemar p={p:.3f}, {gained} gained, {lost} lost"
 
 
 def template_moves(before, after, templates, most=3) -> str:
@@ -255,8 +198,8 @@ def bench_learn(args):
     out = os.path.join("runs", "bench_learn")
     # evaluations in two forked processes, bf16 weights (train.py --eval-processes, --eval-dtype; a flag of the
     # user's comes later and wins): the whole-split evaluations are most of the benchmark's time (BENCHMARKS.md, eval)
-    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--eval-processes", "2",
-              "--eval-dtype", "bf16", *args.train_flags]
+    common = ["--eval-split", "test,test_schema", "--eval-size", str(args.eval_size), "--judge", "none",
+              "--eval-processes", "2", "--eval-dtype", "bf16", *args.train_flags]   # both splits, unless a flag says
 
     def records(arm):
         return run_records(os.path.join(out, arm))
@@ -381,7 +324,7 @@ def bench_sweep(args):
         raise SystemExit(f"python -m bench sweep sets {', '.join(own)} itself: leave it out (the grid is --sweep-ranks and --sweep-lrs)")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_sweep")
-    common = ["--eval-split", "val", "--eval-size", str(args.eval_size), "--judge", "none", "--no-start-eval", "--seed", str(args.seed),
+    common = ["--eval-split", "val", "--eval-size", str(args.eval_size), "--judge", "none", "--seed", str(args.seed),
               *args.train_flags]
     rows = []                                  # (rank, lr, start record, run folder)
     for rank in ranks:

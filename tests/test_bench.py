@@ -13,33 +13,10 @@ import time
 import pytest
 
 import train
+import evaluate
 from bench import common, engine, learn, update
 from bench.__main__ import main
 from files import read_json, read_jsonl
-
-
-def test_paired_difference_on_a_known_example():
-    """100 tasks, 30 solved before; after, 10 more solved and none lost: +10 points, McNemar's exact
-    p = 2 * 0.5^10, and a 95% interval that excludes 0 and holds 0.10 (its sd is about 3 points)."""
-    before = [1] * 30 + [0] * 70
-    after = [1] * 40 + [0] * 60
-    mean, (low, high), p = learn.paired_difference(before, after)
-    assert mean == pytest.approx(0.10) and p == pytest.approx(2 / 1024)
-    assert 0.02 < low < 0.10 < high < 0.18
-
-
-def test_paired_difference_sees_no_gain_when_gains_and_losses_cancel():
-    """Ten tasks gained and ten lost: the mean is 0, the interval straddles it, McNemar's p is 1.
-    The same accuracies unpaired would say nothing either, but pairing is what makes it exact."""
-    before = [1] * 10 + [0] * 10 + [1] * 20 + [0] * 60
-    after = [0] * 10 + [1] * 10 + [1] * 20 + [0] * 60
-    mean, (low, high), p = learn.paired_difference(before, after)
-    assert mean == 0 and low < 0 < high and p == pytest.approx(1.0)
-
-
-def test_paired_difference_needs_the_same_tasks():
-    with pytest.raises(AssertionError, match="paired"):
-        learn.paired_difference([1, 0], [1])
 
 
 @pytest.mark.parametrize("n, c, k, expected", [
@@ -57,23 +34,6 @@ def test_chosen_variants_keep_the_order_asked_and_refuse_unknown_names():
     assert common.chosen_variants(SimpleNamespace(variants="c,a"), variants) == ["c", "a"]
     with pytest.raises(SystemExit, match="unknown"):
         common.chosen_variants(SimpleNamespace(variants="a,z"), variants)
-
-
-def test_a_cluster_bootstrap_widens_the_interval_of_gains_from_one_template():
-    """10 templates of 10 questions. All 10 gains in one template: tasks as independent draws say
-    +10 points, clearly above 0; resampling templates leaves that one out of about a third of the
-    draws (0.9^10), so the interval reaches 0. One gain in each template: every draw of templates
-    gives exactly +10, an interval narrower than the tasks'."""
-    templates = [f"t{k // 10}" for k in range(100)]
-    before = [0] * 100
-    one = [1] * 10 + [0] * 90
-    _, (low, high), _ = learn.paired_difference(before, one)
-    assert 0.03 < low < 0.10 < high
-    mean, (low, high), _ = learn.paired_difference(before, one, clusters=templates)
-    assert mean == pytest.approx(0.10) and low == 0.0 and high > 0.2
-    spread = [1 if k % 10 == 0 else 0 for k in range(100)]
-    _, (low, high), _ = learn.paired_difference(before, spread, clusters=templates)
-    assert low == pytest.approx(0.10) and high == pytest.approx(0.10)
 
 
 def test_query_template_keeps_the_query_and_blanks_its_values():
@@ -150,7 +110,7 @@ def test_pair_of_several_runs_averages_them_task_by_task(splits, tmp_path, capsy
     assert "the runs: +40.0, +0.0 (spread 40.0)" in out
     start = [0] * 8 + [1, 1]
     mean_after = [1, 1, 0.5, 0.5, 0, 0, 0, 0, 0.5, 0.5]
-    _, (low, high), _ = learn.paired_difference(start, mean_after)     # the interval of the averaged outcomes
+    _, (low, high), _ = evaluate.paired_difference(start, mean_after)     # the interval of the averaged outcomes
     assert f"[{100 * low:+.1f}, {100 * high:+.1f}] by task" in out.splitlines()[-1]
 
 
@@ -236,8 +196,7 @@ def test_allocator_bench_runs_both_ways_and_prints_their_ratio(tiny_model_dir, t
     kept, then recomputed), each row with its peak resident set and its updates, each run with its
     own flags, then the ratio line against the first."""
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(update, "ALLOCATOR_RUN", ["--sft-steps", "0", "--steps", "1", "--eval-size", "1", "--eval-split", "test",
-                                                 "--no-start-eval"])
+    monkeypatch.setattr(update, "ALLOCATOR_RUN", ["--sft-steps", "0", "--steps", "1", "--eval-size", "1", "--eval-split", "test"])
     monkeypatch.setattr("sys.argv", ["bench", "allocator", "--model", tiny_model_dir, "--groups-per-step", "1",
                                      "--group-size", "2", "--max-turns", "1", "--max-new-tokens", "4", "--judge", "none"])
     main()
@@ -261,7 +220,7 @@ def test_scale_bench_times_one_process_and_two(tiny_model_dir, tmp_path, monkeyp
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["bench", "scale", "--variants", "1-process,torchrun-2",
                                      "--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "8",
-                                     "--no-start-eval", "--trained-groups", "1"])
+                                     "--trained-groups", "1"])
     main()
     out = capsys.readouterr().out
     rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +([\d.e+-]+) +([\d.]+) +\d+$",
@@ -394,12 +353,12 @@ def test_a_finished_run_is_reused_unless_its_flags_differ(tmp_path, monkeypatch)
     (out / "final" / "adapter_model.safetensors").write_bytes(b"")
     argv = ["--steps", "2", "--out", str(out)]
     config = json.loads(json.dumps(vars(train.parse_args(argv))))
-    del config["eval_dtype"]                        # written before --eval-dtype existed
+    del config["judge_timeout"]                     # written before --judge-timeout existed
     (out / "config.json").write_text(json.dumps(config))
     learn.train_unless_finished(argv)
-    learn.train_unless_finished(argv + ["--eval-dtype", "fp32"])
+    learn.train_unless_finished(argv + ["--judge-timeout", "60"])
     assert runs == []
-    for other in (["--eval-dtype", "bf16"], ["--steps", "3"]):
+    for other in (["--judge-timeout", "5"], ["--steps", "3"]):
         learn.train_unless_finished(argv + other)
     assert len(runs) == 2
 

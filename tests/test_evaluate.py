@@ -97,3 +97,55 @@ def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits,
     assert (tmp_path / "one.jsonl").read_text() == (tmp_path / "two.jsonl").read_text()
     assert [json.loads(line)["task_id"] for line in open(tmp_path / "two.jsonl")] == [t.id for t in tasks]
 
+
+def test_mcnemar_p_and_the_paired_line_on_a_hand_computed_case():
+    """8 tasks: 1 solved by both, 6 gained, 1 lost. Accuracy 2/8 -> 7/8, +5 of 8 = +62.5 points;
+    McNemar looks at the 7 discordant tasks only: p = 2 * (C(7,0) + C(7,1)) / 2^7 = 16/128."""
+    before = {f"q{i}": o for i, o in enumerate([1, 1, 0, 0, 0, 0, 0, 0])}
+    after = {f"q{i}": o for i, o in enumerate([1, 0, 1, 1, 1, 1, 1, 1])}
+    mean, (low, high), p = evaluate.paired_difference(list(before.values()), list(after.values()))
+    assert mean == pytest.approx(0.625) and p == pytest.approx(0.125) and low < 0.625 < high
+    line = evaluate.paired_line(before, after)
+    assert line.startswith("0.250 -> 0.875 on 8 tasks: +62.5 points [") and line.endswith(
+        "McNemar p=0.125, 6 gained, 1 lost")
+
+
+def test_paired_difference_on_a_known_example():
+    """100 tasks, 30 solved before; after, 10 more solved and none lost: +10 points, McNemar's exact
+    p = 2 * 0.5^10, and a 95% interval that excludes 0 and holds 0.10 (its sd is about 3 points)."""
+    before = [1] * 30 + [0] * 70
+    after = [1] * 40 + [0] * 60
+    mean, (low, high), p = evaluate.paired_difference(before, after)
+    assert mean == pytest.approx(0.10) and p == pytest.approx(2 / 1024)
+    assert 0.02 < low < 0.10 < high < 0.18
+
+
+def test_paired_difference_sees_no_gain_when_gains_and_losses_cancel():
+    """Ten tasks gained and ten lost: the mean is 0, the interval straddles it, McNemar's p is 1.
+    The same accuracies unpaired would say nothing either, but pairing is what makes it exact."""
+    before = [1] * 10 + [0] * 10 + [1] * 20 + [0] * 60
+    after = [0] * 10 + [1] * 10 + [1] * 20 + [0] * 60
+    mean, (low, high), p = evaluate.paired_difference(before, after)
+    assert mean == 0 and low < 0 < high and p == pytest.approx(1.0)
+
+
+def test_paired_difference_needs_the_same_tasks():
+    with pytest.raises(AssertionError, match="paired"):
+        evaluate.paired_difference([1, 0], [1])
+
+
+def test_a_cluster_bootstrap_widens_the_interval_of_gains_from_one_template():
+    """10 templates of 10 questions. All 10 gains in one template: tasks as independent draws say
+    +10 points, clearly above 0; resampling templates leaves that one out of about a third of the
+    draws (0.9^10), so the interval reaches 0. One gain in each template: every draw of templates
+    gives exactly +10, an interval narrower than the tasks'."""
+    templates = [f"t{k // 10}" for k in range(100)]
+    before = [0] * 100
+    one = [1] * 10 + [0] * 90
+    _, (low, high), _ = evaluate.paired_difference(before, one)
+    assert 0.03 < low < 0.10 < high
+    mean, (low, high), _ = evaluate.paired_difference(before, one, clusters=templates)
+    assert mean == pytest.approx(0.10) and low == 0.0 and high > 0.2
+    spread = [1 if k % 10 == 0 else 0 for k in range(100)]
+    _, (low, high), _ = evaluate.paired_difference(before, spread, clusters=templates)
+    assert low == pytest.approx(0.10) and high == pytest.approx(0.10)

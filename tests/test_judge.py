@@ -19,9 +19,9 @@ import pytest
 import torch
 
 import judge
-from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, deduplicate, evident_scale, parse_scores,
-                   parse_serialized, rescale, score_group, serialize_naive, serialize_ruler, serialize_trie,
-                   shared_prefix_length)
+from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, ReasoningNeverClosed, agreement, deduplicate,
+                   evident_scale, parse_scores, parse_serialized, rescale, score_group, serialize_naive,
+                   serialize_ruler, serialize_trie, shared_prefix_length, split_reasoning)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -299,8 +299,10 @@ def serve():
         s.server.server_close()
 
 
-def ok(content):
-    return 200, {"Content-Type": "application/json"}, json.dumps({"choices": [{"message": {"content": content}}]}), 0
+def ok(content, finish_reason="stop", **fields):
+    """A 200 chat completion whose message has this content (and extra fields, e.g. reasoning_content)."""
+    choice = {"message": {"role": "assistant", "content": content, **fields}, "finish_reason": finish_reason}
+    return 200, {"Content-Type": "application/json"}, json.dumps({"choices": [choice]}), 0
 
 
 def fast_backend(server, **kw):
@@ -308,14 +310,34 @@ def fast_backend(server, **kw):
 
 
 def test_http_valid_reply(serve):
-    """One request to /chat/completions with the model, key, temperature 0 and JSON mode."""
+    """One request to /chat/completions with the model, key, temperature 0, the token budget and
+    the verdict's JSON schema in OpenAI's structured-output form."""
     server = serve(ok(reply(0.2, 0.8, 0.5)))
     result = score_group(group(), fast_backend(server))
     assert result.scored and result.scores == [0.2, 0.8, 0.5] and len(server.requests) == 1
     request = server.requests[0]
     assert request["path"] == "/v1/chat/completions" and request["auth"] == "Bearer sk-test"
     assert request["body"]["model"] == "judge-model" and request["body"]["temperature"] == 0
-    assert request["body"]["response_format"] == {"type": "json_object"}
+    assert request["body"]["max_tokens"] == 2048
+    assert request["body"]["response_format"] == {"type": "json_schema", "json_schema": {
+        "name": "verdict", "strict": True, "schema": judge.verdict_schema(3)}}
+
+
+def test_verdict_schema_asks_for_each_id_once():
+    """The schema sent for a prompt on n trajectories asks for exactly n entries with ids 1..n
+    (OpenAI's form: an enum; llama.cpp's: entry k's id pinned to k); an answer in the schema's
+    shape is one parse_scores reads. A prompt that is not build_prompt's gets the bare shape."""
+    n = judge._judged_count(judge.build_prompt(group()))
+    assert n == 3
+    scores = judge.verdict_schema(n)["properties"]["scores"]
+    assert scores["minItems"] == scores["maxItems"] == 3
+    assert scores["items"]["properties"]["trajectory_id"]["enum"] == [1, 2, 3]
+    assert list(scores["items"]["properties"]) == ["trajectory_id", "explanation", "score"]
+    pinned = judge.verdict_schema(n, pin_ids=True)["properties"]["scores"]["prefixItems"]
+    assert [e["properties"]["trajectory_id"] for e in pinned] == [{"const": 1}, {"const": 2}, {"const": 3}]
+    assert judge._judged_count([USER]) is None and "minItems" not in judge.verdict_schema(None)["properties"]["scores"]
+    assert judge.format_body("json_object+schema", 3)["schema"]["properties"]["scores"]["prefixItems"] == pinned
+    assert parse_scores(reply(0.2, 0.8, 0.5), 3)[0] == [0.2, 0.8, 0.5]
 
 
 def test_http_malformed_then_valid(serve):
@@ -329,7 +351,7 @@ def test_http_malformed_then_valid(serve):
 def test_http_500_then_valid_backs_off(serve):
     """A 5xx is retried after backoff_s."""
     server = serve((500, {}, "overloaded", 0), ok("fine"))
-    assert fast_backend(server).complete([USER]) == "fine"
+    assert fast_backend(server, response_format="none").complete([USER]) == "fine"
     assert len(server.requests) == 2 and server.gaps()[0] >= 0.05
 
 
@@ -347,18 +369,42 @@ def test_http_timeout_is_retried(serve):
     assert backend.complete([USER]) == "fine" and len(server.requests) == 2
 
 
-def test_http_rejected_json_mode_is_dropped(serve):
-    """An endpoint that answers 400 to response_format is asked again without it."""
-    server = serve((400, {}, "response_format not supported", 0), ok("fine"), ok("again"))
+def formats(server):
+    """The response_format each request asked for, by its rung in judge.RESPONSE_FORMATS."""
+    def rung(shape):
+        return "none" if shape is None else shape["type"] + ("+schema" if "schema" in shape else "")
+    return [rung(r["body"].get("response_format")) for r in server.requests]
+
+
+def test_http_format_ladder_steps_down_once_and_remembers(serve):
+    """A server that refuses the OpenAI schema form (500, as llama-cpp-python does), then
+    llama.cpp's (422), then JSON mode (400) is asked with nothing; every later request starts
+    there, and none of the steps spent a retry or waited."""
+    server = serve((500, {}, "Internal Server Error", 0), (422, {}, "unknown type", 0),
+                   (400, {}, "response_format not supported", 0), ok("fine"), ok("again"))
+    backend = fast_backend(server, max_retries=0)
+    assert backend.complete([USER]) == "fine" and backend.complete([USER]) == "again"
+    assert formats(server) == ["json_schema", "json_object+schema", "json_object", "none", "none"]
+    assert backend.response_format == "none"
+
+
+def test_http_llama_cpp_schema_form_is_kept_once_accepted(serve):
+    """A server that takes llama.cpp's schema form keeps it; after a format was accepted, a 500
+    is a server error again (retried with backoff, the format kept), and a 400 is not a refusal
+    of the format (a JudgeError: e.g. a prompt too long for the context)."""
+    server = serve((500, {}, "Internal Server Error", 0), ok("fine"), (500, {}, "overloaded", 0), ok("again"),
+                   (400, {}, "context length exceeded", 0))
     backend = fast_backend(server)
     assert backend.complete([USER]) == "fine" and backend.complete([USER]) == "again"
-    assert [("response_format" in r["body"]) for r in server.requests] == [True, False, False]
+    with pytest.raises(JudgeError, match="400"):
+        backend.complete([USER])
+    assert formats(server) == ["json_schema"] + ["json_object+schema"] * 4 and server.gaps()[2] >= 0.05
 
 
 def test_http_persistent_failure_gives_unscored_group(serve):
     """500 on every request: max_retries + 1 requests with exponential gaps, then unscored."""
     server = serve(*[(500, {}, "down", 0)] * 3)
-    result = score_group(group(), fast_backend(server, max_retries=2))
+    result = score_group(group(), fast_backend(server, max_retries=2, response_format="none"))
     assert not result.scored and result.scores is None and "giving up after 3 requests" in result.error
     gaps = server.gaps()
     assert len(server.requests) == 3 and gaps[0] >= 0.05 and gaps[1] >= 0.1
@@ -368,7 +414,7 @@ def test_http_client_error_is_not_retried(serve):
     """A 401 will not pass by waiting: one request, then a JudgeError."""
     server = serve((401, {}, "bad key", 0))
     with pytest.raises(JudgeError, match="401"):
-        fast_backend(server, json_mode=False).complete([USER])
+        fast_backend(server, response_format="none").complete([USER])
     assert len(server.requests) == 1
 
 
@@ -473,6 +519,107 @@ def test_out_of_range_with_no_correction_left_is_rescaled_at_once():
     assert result.scores == [0.3, 0.8, 0.5] and result.rescaled == "0-100" and result.attempts == 3
 
 
+# ---------------------------------------------------------------- reasoning judges
+def test_split_reasoning_reads_after_the_last_close():
+    """The answer starts after the last closing tag (<think>, <thinking>, <reasoning>, any case);
+    a close alone counts (the template may have opened the block); a block that opens after the
+    last close and never closes leaves no answer."""
+    assert split_reasoning("<think>a</think> x <think>b</think> y") == ("a x b", " y")
+    assert split_reasoning("<Thinking>a</Thinking>{}") == ("a", "{}")
+    assert split_reasoning("<reasoning>a</reasoning>{}") == ("a", "{}")
+    assert split_reasoning("draft {} </think>final") == ("draft {}", "final")
+    assert split_reasoning("<think>a</think>{} <think>b") == ("a{} b", None)
+    assert split_reasoning("plain {}") == ("", "plain {}")
+
+
+def test_parse_never_reads_scores_inside_reasoning():
+    """Draft scores in the reasoning are not the verdict: the answer's scores are, and an answer
+    with none is a parse error even when the reasoning holds a complete, valid draft."""
+    assert parse_scores(f"<think>Draft: {reply(0.1, 0.9)} Hmm, no.</think>{reply(0.8, 0.2)}", 2)[0] == [0.8, 0.2]
+    with pytest.raises(ParseError, match="no JSON"):
+        parse_scores(f"<think>{reply(0.1, 0.9)}</think>Done.", 2)
+    with pytest.raises(ReasoningNeverClosed):
+        parse_scores(f"<think>{reply(0.1, 0.9)}", 2)
+
+
+def test_http_draft_scores_in_think_lose_to_the_final_ones(serve):
+    """Inline reasoning with draft scores that disagree with the answer: the answer's scores are
+    used, and the reasoning (without tags) is kept on the result for the judgement log."""
+    server = serve(ok(f"<think>First pass: {reply(0.9, 0.1, 0.5)}. No: 2 is right.</think>\n{reply(0.2, 0.8, 0.5)}"))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.scores == [0.2, 0.8, 0.5] and result.attempts == 1
+    assert result.reasoning.startswith("First pass:") and result.reasoning.endswith("No: 2 is right.")
+
+
+@pytest.mark.parametrize("field", ["reasoning_content", "reasoning"])
+def test_http_reasoning_field_beside_json_content(serve, field):
+    """A separate reasoning field (vLLM/DeepSeek's reasoning_content, OpenRouter's and Ollama's
+    reasoning) holding draft scores is ignored for scoring: the content's scores are used, and
+    the field is kept as the result's reasoning."""
+    server = serve(ok(reply(0.2, 0.8, 0.5), **{field: f"Maybe {reply(1, 0, 0)}? No."}))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.scores == [0.2, 0.8, 0.5] and result.reasoning == f"Maybe {reply(1, 0, 0)}? No."
+
+
+def test_http_unclosed_reasoning_is_corrected_then_unscored_naming_the_budget(serve):
+    """Reasoning that never closes has no answer: a correction goes back (repeating no reasoning),
+    and a judge cut off every time leaves the group unscored with an error that names the cause
+    and the token budget; the reasoning is kept."""
+    server = serve(*[ok(f"<think>Trajectory 1 scores {reply(0.9, 0.1, 0.2)} or maybe", "length")] * 3)
+    result = score_group(group(), fast_backend(server, max_tokens=300))
+    assert not result.scored and result.scores is None and result.attempts == 3
+    assert "reasoning never closed" in result.error and "max tokens (now 300)" in result.error
+    assert result.reasoning.startswith("Trajectory 1 scores")
+    echoed, correction = server.requests[1]["body"]["messages"][-2:]
+    assert echoed == msg("assistant", "") and "never closed" in correction["content"]
+
+
+def test_http_reasoning_only_reply_then_an_answer(serve):
+    """Content empty, reasoning_content set (the cap hit mid-thought) is reasoning that never
+    closed; the corrected reply with an answer is scored. A reply with neither (a server that
+    hides the reasoning it spent the budget on) reads the same."""
+    server = serve(ok("", "length", reasoning_content="Comparing 1 and 2..."), ok(None, "length"),
+                   ok(reply(0.1, 0.9, 0.5)))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.scores == [0.1, 0.9, 0.5] and result.attempts == 3
+    assert all("never closed" in c for c in corrections(server))
+    server = serve(*[ok("", "length", reasoning_content="Comparing 1 and 2...")] * 3)
+    result = score_group(group(), fast_backend(server, max_tokens=64))
+    assert not result.scored and "max tokens (now 64)" in result.error and result.reasoning == "Comparing 1 and 2..."
+
+
+def test_http_empty_content_is_a_counted_failure(serve):
+    """An empty answer with no reasoning and no cap hit is corrected as empty, then unscored."""
+    server = serve(ok(""), ok(reply(0.1, 0.9, 0.5)))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.attempts == 2 and "empty" in corrections(server)[0]
+    server = serve(*[ok("")] * 3)
+    result = score_group(group(), fast_backend(server))
+    assert not result.scored and result.error == "unparseable reply: the reply was empty"
+
+
+def test_reasoning_is_clipped_to_its_end_and_cached(tmp_path):
+    """The result keeps the last REASONING_CHARS characters of the reasoning (where the judge
+    concludes), and a cached judgement serves the same reasoning."""
+    thought = "x" * judge.REASONING_CHARS + "so 2 wins"
+    first = score_group(group(), Scripted(f"<think>{thought}</think>{reply(0.1, 0.9, 0.5)}"), cache_dir=str(tmp_path))
+    assert first.reasoning == "..." + thought[-judge.REASONING_CHARS:] and first.reasoning.endswith("so 2 wins")
+    again = score_group(group(), Scripted(), cache_dir=str(tmp_path))
+    assert again.cached and again.reasoning == first.reasoning
+
+
+# ---------------------------------------------------------------- agreement with correctness
+def test_agreement_hand_computed():
+    """Per-group AUC over (correct, wrong) pairs, ties half: hand-computed cases, and None for a
+    group with nothing to rank."""
+    assert agreement([0.9, 0.1], [True, False]) == 1.0
+    assert agreement([0.1, 0.9], [True, False]) == 0.0
+    assert agreement([0.5, 0.5, 0.5, 0.5], [True, False, True, False]) == 0.5
+    # correct 0.7, 0.4 against wrong 0.4, 0.2, 0.9: (1 + 1 + 0) + (0.5 + 1 + 0) = 3.5 of 6 pairs
+    assert agreement([0.7, 0.4, 0.4, 0.2, 0.9], [True, True, False, False, False]) == pytest.approx(3.5 / 6)
+    assert agreement([0.3, 0.8], [True, True]) is None and agreement([0.3, 0.8], [False, False]) is None
+
+
 def test_http_settings_from_environment(monkeypatch):
     """Base URL, key and model fall back to OPENAI_BASE_URL, OPENAI_API_KEY, AGENTRL_JUDGE_MODEL."""
     monkeypatch.setenv("OPENAI_BASE_URL", "http://example.invalid/v1/")
@@ -488,7 +635,7 @@ def test_http_settings_from_environment(monkeypatch):
 # ---------------------------------------------------------------- local backend, tiny model
 def test_local_backend_end_to_end(tiny_llama, smol_tokenizer):
     """A random tiny model judges badly, but the path runs and the result is well formed."""
-    result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=16, min_new_tokens=8),
+    result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer, max_tokens=16, min_tokens=8),
                          max_retries=1)
     assert result.attempts == 2 or (result.scored and result.attempts == 1)
     if result.scored:
@@ -536,14 +683,14 @@ def test_local_backend_with_lora_disabled_judges_as_the_base_model(tiny_llama, s
     """With the real lora.lora_disabled, a trained adapter does not change the judge's reply."""
     import lora
     prompt = [USER]
-    base_reply = LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=8, min_new_tokens=4).complete(prompt)
+    base_reply = LocalBackend(tiny_llama, smol_tokenizer, max_tokens=8, min_tokens=4).complete(prompt)
     lora.apply_lora(tiny_llama, r=4)
     with torch.no_grad():
         for p in lora.lora_parameters(tiny_llama):
             p.add_(torch.randn_like(p))
-    judged = LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=8, min_new_tokens=4,
+    judged = LocalBackend(tiny_llama, smol_tokenizer, max_tokens=8, min_tokens=4,
                           adapter_off=lambda: lora.lora_disabled(tiny_llama)).complete(prompt)
-    drifted = LocalBackend(tiny_llama, smol_tokenizer, max_new_tokens=8, min_new_tokens=4).complete(prompt)
+    drifted = LocalBackend(tiny_llama, smol_tokenizer, max_tokens=8, min_tokens=4).complete(prompt)
     assert judged == base_reply and drifted != base_reply
 
 

@@ -95,7 +95,7 @@ def trajectory_records(run_dir):
 def test_the_run_writes_a_well_formed_page_with_every_trajectory(tiny_run):
     """train.py writes report.html; it parses as well-formed HTML, holds every trajectory of every
     step under its own anchor, loads nothing from outside (no script, the plot inline), and shows
-    the config, the held-out accuracy of each phase and the judge's explanations."""
+    the config, the held-out accuracy of each phase, paired start to end, and the judge's explanations."""
     page = parse(tiny_run / "report.html")
     expected = [f"s{step:04d}-g{g + 1}-t{k}" for step, rs in trajectory_records(tiny_run).items()
                 for g in sorted({r["group"] for r in rs}) for k in range(1, sum(r["group"] == g for r in rs) + 1)]
@@ -106,7 +106,9 @@ def test_the_run_writes_a_well_formed_page_with_every_trajectory(tiny_run):
     assert plot.attrs["src"].startswith("data:image/png;base64,")
     rows = [[cell.text() for cell in tr.find_all(lambda n: n.tag == "td")] for tr in page.root.find_all(lambda n: n.tag == "tr")]
     assert ["group_size", "3"] in rows and ["seed", "3"] in rows, "the config"
-    assert [row[:2] for row in rows if row[:2] in (["base", "test"], ["step 2", "test"])] == [["base", "test"], ["step 2", "test"]]
+    assert [row[:2] for row in rows if row[:2] in (["start", "test"], ["step 2", "test"])] == [["start", "test"], ["step 2", "test"]]
+    assert re.search(r"RL start → end, paired by question .*test: 0\.\d{3} -> 0\.\d{3} on 2 tasks: .* McNemar p=",
+                     page.root.text(), re.S), "the start and the end, paired"
     assert page.root.text().count("scripted") == 12, "each trajectory shows the judge's explanation"
 
 

@@ -37,7 +37,7 @@ class ScriptedJudge:
 def tiny_args(model_dir, out, *extra):
     return ["--model", model_dir, "--out", str(out), "--groups-per-step", "2", "--group-size", "3",
             "--max-turns", "2", "--max-new-tokens", "12", "--max-context", "1024", "--eval-size", "2",
-            "--micro-batch-size", "2", "--lr", "1e-2", "--seed", "3", "--sft-steps", "0", *extra]
+            "--micro-batch-size", "2", "--lr", "1e-2", "--seed", "3", "--sft-steps", "0", "--eval-processes", "1", *extra]
 
 
 def adapter_tensors(folder):
@@ -54,7 +54,7 @@ def scripted_judge(monkeypatch):
 def test_two_steps_change_the_lora_weights(tiny_model_dir, tmp_path, scripted_judge):
     """The whole loop (rollouts, judge, advantages, update, log, checkpoint) must move the adapter."""
     out = tmp_path / "run"
-    train.main(tiny_args(tiny_model_dir, out, "--steps", "2"))
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--eval-split", "test,test_schema"))
     assert scripted_judge.calls == 4, "each of the 2 groups of 2 steps is judged once"
     records = read_jsonl(out / "metrics.jsonl")
     steps = [r for r in records if "reward_mean" in r]
@@ -130,7 +130,7 @@ def test_resume_without_checkpoint_is_a_clear_error(tiny_model_dir, tmp_path):
     (["--group-size", "1"], "group-size"),
     (["--steps", "-1"], "steps"),
     (["--temperature", "0"], "temperature"),
-    (["--eval-processes", "0"], "eval-processes"),
+    (["--eval-processes", "-1"], "eval-processes"),
     (["--data", "/nonexistent/spider"], "no such folder"),
     (["--adapter", "/nonexistent/adapter"], "adapter_config.json"),
     (["--sft-steps", "4", "--max-turns", "2"], "max-turns"),
@@ -175,20 +175,42 @@ def test_config_round_trips_through_config_json(tiny_model_dir, tmp_path, monkey
     def stop(*args, **kwargs):
         raise Stop
     monkeypatch.setattr(train.checkpoint, "save", stop)    # config.json is written by then
-    argv = tiny_args(tiny_model_dir, tmp_path / "run", "--no-start-eval", "--judge", "none", "--kl-coef", "0.1")
+    argv = tiny_args(tiny_model_dir, tmp_path / "run", "--judge", "none", "--kl-coef", "0.1")
     with pytest.raises(Stop):
         train.main(argv)
     config = train.Config(**read_json(tmp_path / "run" / "config.json"))
-    assert config == train.parse_args(argv) and config.eval_split == "test,test_schema" and config.kl_coef == 0.1
+    assert config == train.parse_args(argv) and config.eval_split == "test" and config.kl_coef == 0.1
 
 
 def test_unreachable_judge_endpoint(tiny_model_dir, tmp_path):
     """An http judge nobody answers is a clear error at start."""
-    base = tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "http", "--judge-url", "http://127.0.0.1:9/v1",
+    base = tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "http://127.0.0.1:9/v1",
                      "--judge-model", "m", "--steps", "1")
     args = train.parse_args(base)
     with pytest.raises(SystemExit, match="unreachable"):
         train.make_judge(args, None, None, torch.device("cpu"))
+
+
+def test_the_judge_flags_reach_the_backends(tiny_model_dir, tmp_path, tiny_llama, smol_tokenizer, monkeypatch, capsys):
+    """--judge-max-tokens and --judge-timeout reach the http backend, whose URL is --judge itself;
+    the local judge gets the token budget, and judges with the policy's LoRA switched off."""
+    import lora
+    cpu = torch.device("cpu")
+    monkeypatch.setattr(train.judge_lib.HTTPBackend, "check", lambda self: None)    # as if it answered
+    args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "http://127.0.0.1:9/v1", "--judge-model",
+                                      "m", "--judge-max-tokens", "4096", "--judge-timeout", "300"))
+    http = train.make_judge(args, None, None, cpu)
+    assert (http.base_url, http.max_tokens, http.timeout_s) == ("http://127.0.0.1:9/v1", 4096, 300)
+    args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "local", "--judge-max-tokens", "77"))
+    lora.apply_lora(tiny_llama, r=2, alpha=4)
+    local = train.make_judge(args, tiny_llama, smol_tokenizer, cpu)
+    layer = next(m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear))
+    with local.adapter_off():
+        assert not layer.enabled
+    assert layer.enabled and local.max_tokens == 77
+    with pytest.raises(SystemExit):
+        train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "htp://x"))
+    assert "--judge 'htp://x'" in capsys.readouterr().err
 
 
 def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, tmp_path, monkeypatch, capsys):
@@ -201,7 +223,7 @@ def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, t
     (record,) = [r for r in read_jsonl(out / "metrics.jsonl") if "reward_mean" in r]
     assert record["judge_rescaled_groups"] == 2 and record["judge_corrections"] == 2 and judge.calls == 4
     assert record["judge_failed_groups"] == 0 and record["trainable_groups"] == 2
-    assert "judge_failed_groups=0 | judge_rescaled_groups=2 | judge_corrections=2" in capsys.readouterr().out
+    assert "judge: 0 groups failed, 2 rescaled, 2 corrections" in capsys.readouterr().out
     lines = read_jsonl(out / "trajectories" / "step_0001.jsonl")
     assert all(line["judge_rescaled"] == "0-10" for line in lines)
     assert sorted(line["judge_score"] for line in lines[:3]) == pytest.approx([1 / 3, 2 / 3, 1])
@@ -265,8 +287,48 @@ def test_task_stats_record_the_last_pass_rate_per_task():
     group = SimpleNamespace(task=SimpleNamespace(id="q", difficulty="easy"),
                             trajectories=[SimpleNamespace(correct=c) for c in (True, False, False, True)])
     stats = {"tiers": {}, "tasks": {"q": 1.0}}
-    train.update_task_stats(stats, [group])
+    train.update_task_stats(stats, [(group.task, train.pass_rate(group))])
     assert stats["tasks"] == {"q": 0.5} and stats["tiers"]["easy"] == pytest.approx(0.7 * 0.5 + 0.3 * 0.5)
+
+
+def scripted_group(task_id, corrects):
+    return SimpleNamespace(task=SimpleNamespace(id=task_id, difficulty="easy"),
+                           trajectories=[SimpleNamespace(correct=c) for c in corrects])
+
+
+def test_mixed_first_keeps_the_groups_with_signal_in_the_order_drawn():
+    """Pass rates 0, 1, 1/2, 1/4, 0: the two mixed groups come first, in draw order, then the others."""
+    groups = [scripted_group(f"q{i}", c) for i, c in enumerate([[0, 0], [1, 1], [1, 0], [0, 0, 0, 1], [0, 0]])]
+    assert [g.task.id for g in train.mixed_first(groups, 2)] == ["q2", "q3"]
+    assert [g.task.id for g in train.mixed_first(groups, 3)] == ["q2", "q3", "q0"]
+    assert [g.task.id for g in train.mixed_first(groups[:2], 2)] == ["q0", "q1"]   # none mixed: as drawn
+
+
+def test_selection_finds_mixed_groups_where_a_plain_draw_rarely_does():
+    """A scripted policy over 100 tasks of one tier: 80 it never solves, 5 it always solves, 15 it
+    solves 15% of the time (groups of 8, sampled). The trainer's steps 1) and 2), the pass rates fed
+    back, keeping 2 groups a step, in 100 runs of 4 steps: with CANDIDATES tasks per group kept,
+    many more steps train on a mixed group than when only the 2 kept are drawn; and a step keeps a
+    mixed group whenever it rolled one out."""
+    import random
+    rates = {f"t{i}": 0.0 if i < 80 else 1.0 if i < 85 else 0.15 for i in range(100)}
+    tasks = {"easy": [SimpleNamespace(id=tid, difficulty="easy") for tid in rates]}
+
+    def steps_with_signal(per_group, runs=100, steps=4):
+        found = 0
+        for run in range(runs):
+            rng, stats = random.Random(run), {"tiers": {}, "tasks": {}}
+            for step in range(steps):
+                draw = train.sample_tasks(tasks, stats, per_group * 2, random.Random(run * 1000 + step))
+                rolled = [scripted_group(t.id, [rng.random() < rates[t.id] for _ in range(8)]) for t in draw]
+                kept = train.mixed_first(rolled, 2)
+                rolled_mixed = any(0 < train.pass_rate(g) < 1 for g in rolled)
+                assert len(kept) == 2 and rolled_mixed == any(0 < train.pass_rate(g) < 1 for g in kept)
+                found += rolled_mixed
+                train.update_task_stats(stats, [(g.task, train.pass_rate(g)) for g in rolled])
+        return found / (runs * steps)
+    with_selection, plain = steps_with_signal(train.CANDIDATES), steps_with_signal(1)
+    assert with_selection > plain + 0.15 and plain < 0.45, (with_selection, plain)
 
 
 @pytest.mark.parametrize("extra", [["--epochs", "4"], ["--update", "rft"], ["--update", "rft", "--epochs", "2"]])
@@ -288,49 +350,56 @@ def test_several_updates_per_batch_and_the_rft_control_run_and_log(tiny_model_di
     out = tmp_path / "run"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *extra))
     step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
-    assert not step["skipped"] and step["mixed_group_rate"] == 1.0
+    assert not step["skipped"] and step["mixed_group_rate"] == 1.0 and step["mixed_candidates"] == 4
     if "rft" in extra:
         assert step["sft_loss"] > 0 and step["tokens"] > 0 and step["updates"] == (2 if "--epochs" in extra else 1)
     else:
         assert step["updates"] == 4 and "kl_old" in step and "clip_frac_high" in step
 
 
-def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge):
+def test_warm_start_then_grpo(tiny_model_dir, tmp_path, scripted_judge, monkeypatch):
     """--sft-steps trains on gold demonstrations first, saves them as their own adapter, as the
-    step-0 checkpoint and as start/ (so RL, and a resume, start from it), and evaluates before and
-    after. The KL term's reference is that start, not the base model: at the first step the policy
-    is the reference (KL exactly 0); after it, and after a resume, it has moved away."""
+    step-0 checkpoint and as start/ (so RL, and a resume, start from it), and evaluates where RL
+    starts. RL draws its tasks from the ones demonstrated, and a resume knows them again. The KL
+    term's reference is that start, not the base model: at the first step the policy is the
+    reference (KL exactly 0); after it, and after a resume, it has moved away."""
+    demonstrated, real = [], train.sft_batches
+    monkeypatch.setattr(train, "sft_batches", lambda *a: demonstrated.append(real(*a)) or demonstrated[-1])
     out = tmp_path / "run"
     args = ["--sft-steps", "2", "--max-new-tokens", "130", "--max-turns", "4", "--kl-coef", "0.1"]
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *args))
     records = read_jsonl(out / "metrics.jsonl")
+    shown = {task.id for batch in demonstrated[0] for task in batch}
+    assert 2 <= len(shown) <= 4 and {r["task_id"] for r in read_jsonl(out / "trajectories" / "step_0001.jsonl")} <= shown
     assert [r["sft_step"] for r in records if "sft_step" in r] == [1, 2]
     assert all(r["sft_loss"] > 0 and not r["skipped"] and r["sft_dropped"] == 0 for r in records if "sft_step" in r)
-    assert [r.get("phase") for r in records if "eval_accuracy" in r] == ["base", "sft", None]
+    assert [r.get("phase") for r in records if "eval_accuracy" in r] == ["sft", None]
     sft = adapter_tensors(out / "sft")
     assert any(v.abs().max() > 0 for k, v in sft.items() if "lora_B" in k), "SFT must move the adapter"
     assert (out / "checkpoints" / "step_0000" / "adapter_model.safetensors").exists()
     assert all(torch.equal(v, sft[k]) for k, v in adapter_tensors(out / "start").items())
-    for label in ("base", "sft", "step_0001"):     # every evaluation's episodes, one line per held-out task
-        for split in ("test", "test_schema"):
-            episodes = read_jsonl(out / "evals" / f"{label}_{split}.jsonl")
-            assert len(episodes) == 2 and all(e["messages"] and e["task_id"] for e in episodes)
+    for label in ("sft", "step_0001"):     # every evaluation's episodes, one line per held-out task
+        episodes = read_jsonl(out / "evals" / f"{label}_test.jsonl")
+        assert len(episodes) == 2 and all(e["messages"] and e["task_id"] for e in episodes)
     train.main(tiny_args(tiny_model_dir, out, "--steps", "2", "--resume", *args))
+    assert demonstrated[1] == demonstrated[0]
+    assert {r["task_id"] for r in read_jsonl(out / "trajectories" / "step_0002.jsonl")} <= shown
     kl = [json.loads(line)["kl"] for line in open(out / "metrics.jsonl") if "reward_mean" in line]
     assert kl[0] == 0.0 and kl[1] > 0, kl
 
 
 def test_a_run_that_evaluates_on_val_never_trains_on_it(tiny_model_dir, tmp_path, monkeypatch):
-    """With val among the evaluation splits, the tasks SFT and RL draw from are the train split
-    less the validation slice; without it, the whole train split."""
+    """With val among the evaluation splits, the tasks RL draws from (with no warm start) are the
+    train split less the validation slice; without it, the whole train split. (The warm start's
+    come from the same tasks: sft_batches.)"""
     class Stop(Exception):
         pass
     trained_on = []
 
-    def capture(config, model, tokenizer, train_tasks, *rest):
-        trained_on.append({task.id for task in train_tasks})
+    def capture(tasks_by_tier, *rest):
+        trained_on.append({task.id for tier in tasks_by_tier.values() for task in tier})
         raise Stop
-    monkeypatch.setattr(train, "start_run", capture)
+    monkeypatch.setattr(train, "sample_tasks", capture)
     for split in ("test", "val"):
         with pytest.raises(Stop):
             train.main(tiny_args(tiny_model_dir, tmp_path / split, "--eval-split", split, "--judge", "none"))
@@ -381,14 +450,14 @@ def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_
     """--eval-processes 2: the run evaluates in forked processes (both evaluations, before and after)
     and its summary says how much the largest of them held, beside this process's peak."""
     train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-processes", "2"))
-    assert forks == [2] * 4             # 2 held-out splits, at the start and at the end
+    assert forks == [2] * 2             # at the start and at the end
     memory = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:"))
     assert "the largest of the 2 evaluation processes forked at once" in memory, memory
 
 
 def test_eval_dtype_reaches_the_evaluations_only(tiny_model_dir, tmp_path, monkeypatch):
     """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (agentrl.Sampling),
-    GRPO's rollouts do not (the fp32 policy: weight_dtype None). The default keeps fp32."""
+    GRPO's rollouts do not (the fp32 policy: weight_dtype None). --eval-dtype fp32 keeps fp32."""
     import agentrl
     seen, rollout_groups = [], agentrl.rollout_groups
 
@@ -399,7 +468,7 @@ def test_eval_dtype_reaches_the_evaluations_only(tiny_model_dir, tmp_path, monke
     train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-dtype", "bf16"))
     assert {dtype for greedy, dtype in seen if greedy} == {torch.bfloat16}
     assert {dtype for greedy, dtype in seen if not greedy} == {None}
-    assert train.eval_options(train.parse_args([]))["weight_dtype"] == torch.float32
+    assert train.eval_options(train.parse_args(["--eval-dtype", "fp32"]))["weight_dtype"] == torch.float32
 
 
 def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
@@ -408,7 +477,7 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only", "--eval-split", "test_schema"))
     record = train.run(args)
     assert record["eval_split"] == "test_schema" and record["eval_tasks"] == 2 and "test_accuracy" not in record
-    both = train.run(train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only")))
+    both = train.run(train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only", "--eval-split", "test,test_schema")))
     assert both["eval_split"] == "test" and both["test_schema_tasks"] == 2
     assert evaluate.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
     out = capsys.readouterr().out
@@ -419,3 +488,34 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     assert capsys.readouterr().out.count("+0.0 points [+0.0, +0.0] by task, [+0.0, +0.0] by template") == 2
     episodes = read_jsonl(tmp_path / "r" / "evals" / "eval_only_test_schema.jsonl")
     assert "".join("1" if e["correct"] else "0" for e in episodes) == both["test_schema_outcomes"]
+
+
+def test_the_step_line_shows_the_signal_the_reward_and_the_update():
+    """One line a step: mixed groups of those rolled out, the reward's mean and spread, the clipped
+    share of tokens, whether the update ran (and why not), the judge's agreement where it has one."""
+    record = {"step": 3, "mixed_candidates": 3, "candidate_groups": 4, "trainable_groups": 2, "reward_mean": 0.4375,
+              "reward_std": 0.496, "train_accuracy": 0.34375, "skipped": False, "clip_frac_low": 0.004,
+              "clip_frac_high": 0.008, "judge_agreement": 0.75, "judge_agreement_groups": 2, "time_step": 61.2,
+              "judge_failed_groups": 0, "judge_rescaled_groups": 0, "judge_corrections": 0}
+    assert train.step_line(record, 4) == ("step 3/4 | mixed groups 3/4, 2 trained on | reward 0.44 ± 0.50 | "
+                                          "train accuracy 0.34 | clipped 1.2% of tokens | update applied | "
+                                          "judge agreement 0.75 (2 groups) | 61 s")
+    skipped = {**record, "skipped": True, "skip_reason": "no trainable group", "judge_agreement": None}
+    assert "| update skipped (no trainable group) | 61 s" in train.step_line(skipped, 4)
+
+
+def test_judge_agreement_per_step_and_the_warning_when_it_is_a_coin():
+    """A step's agreement: the mean over scored groups with both right and wrong rollouts (here 1.0
+    and 0.0: 0.5 over 2 groups; the all-wrong and the unscored group do not count). The warning
+    comes once enough groups say the judge ranks like a coin, not before, and not for a good judge."""
+    def group(*correct):
+        return SimpleNamespace(trajectories=[SimpleNamespace(correct=c) for c in correct])
+    groups = [group(True, False), group(True, False), group(False, False), group(True, False)]
+    results = [SimpleNamespace(scored=True, scores=[0.9, 0.1]), SimpleNamespace(scored=True, scores=[0.1, 0.9]),
+               SimpleNamespace(scored=True, scores=[0.5, 0.2]), SimpleNamespace(scored=False, scores=None)]
+    assert train.judge_agreement(groups, results) == {"judge_agreement": 0.5, "judge_agreement_groups": 2}
+    coin = {"judge_agreement": 0.55, "judge_agreement_groups": 4}
+    assert train.judge_noise_warning([coin]) is None                        # 4 groups: too few to say
+    assert "55% of the time" in train.judge_noise_warning([coin, coin])
+    assert train.judge_noise_warning([{**coin, "judge_agreement": 0.9}] * 3) is None
+    assert train.judge_noise_warning([{"judge_agreement": None, "judge_agreement_groups": 0}] * 9) is None
