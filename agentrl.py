@@ -3,6 +3,7 @@
     model, tokenizer = lora.load_model()                # the policy (lora.py: loading and the LoRA)
     group = rollout_group(model, tokenizer, task, n=8, sampling=Sampling(seed=0), limits=Limits())
     group.trajectories[0].token_ids                     # exactly what GRPO will train on
+    group.tree                                          # the turns its trajectories share (Node)
     demo = demonstration(tokenizer, task)               # a gold demonstration for SFT, as a rollout records it
 
 An episode: the system prompt (with the tools), a worked example, the question; then turns in which
@@ -10,18 +11,24 @@ the model writes one `<tool_call>{json}</tool_call>` and the environment answers
 `submit_answer`. A Trajectory records every token the model saw or sampled, in order, with a mask
 (1 on sampled tokens) and their log-probs: what the update trains on, never a re-tokenization.
 
+A group is a tree (`Node`, `make_group`): its trajectories share the prompt, and often their first
+turns and the tool's answers. The root's child is the prompt, each node below it one turn (the
+sampled call, the tool's answer, the next turn's header); a trajectory is the path to its leaf.
+The judge prints that tree (judge.py), the update forwards each of its nodes once (forward.py).
+
 How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows):
   1) the prompts' common prefix is encoded once, into a one-row cache every row starts from;
-  2) every row mid-turn takes its next token (and the drafts it confirms, `_draft`), recorded with
-     its log-prob under the raw model (temperature 1, no top-p: the policy GRPO trains);
+  2) every row mid-turn takes its next token, recorded with its log-prob under the raw model
+     (temperature 1, no top-p: the policy GRPO trains);
   3) a turn ending in a tool call runs the tool, and the template's new text is queued for the row;
      a row stops on submit_answer, no call, a limit, or non-finite logits (`Trajectory.stop_reason`);
   4) finished rows leave the batch;
   5) once no row is mid-turn (the flush), the cache is packed, waiting rows join (`max_rows`), and
-     every row's queue is fed at once;
-  6) one forward feeds every row what it was given (kvcache.py: the cache and that forward).
-Shapes: B rows, S cache columns, W tokens fed in one forward, C logit columns a row (its token and
-drafts), V vocabulary. ask.py asks a trained agent: the same engine on one row, greedy.
+     every row's queue is fed at once, rows with the same tokens so far (one node) fed once;
+  6) one forward feeds every row what it was given (kvcache.py: the cache and that forward);
+  7) each group's tree, from the turn boundaries the rows recorded (`make_group`).
+Shapes: B rows, S cache columns, W tokens fed in one forward, V vocabulary. ask.py asks a trained
+agent: the same engine on one row, greedy.
 
 Simplifications, and why they are safe:
 - Appends are turn-synchronous: a row that called a tool waits (fed holes) until no row is
@@ -131,7 +138,6 @@ class Sampling:
     top_p: float = 1.0         # nucleus sampling's mass (1.0: off)
     greedy: bool = False       # argmax decoding, for evaluation
     seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
-    draft: int = 0             # prompt-lookup draft tokens a row checks per forward (_draft); same distribution
     weight_dtype: torch.dtype | None = None   # the merged layers' and the lm_head's weights while generating
                                #   (None: fp32 merged, the head as it is); the log-probs are that policy's
 
@@ -160,12 +166,51 @@ class Trajectory:
     num_tool_errors: int            # malformed calls + calls the environment answered with an error
     num_describe_calls: int = 0     # describe_table calls (SQLEnv counts them; 0 from an env that does not)
     failed_submission: bool = False # the submitted query itself failed to run (no such table, syntax, timeout)
+    turns: list[tuple[int, int]] = field(default_factory=list)   # where each turn after the prompt starts:
+                                    #   (index in token_ids, index in messages)
+
+
+@dataclass
+class Node:
+    """A run of a group's tree: tokens (and the messages they render) that the trajectories in `rows`
+    all have, from index `start` of their token_ids on. Two trajectories share a node exactly when
+    they share every token up to its end; a node ends where a turn does."""
+    start: int                      # index of its first token in each trajectory through it (its depth)
+    tokens: list[int]
+    messages: list[dict]
+    rows: list[int]                 # the group's trajectories through it, by index
+    children: list["Node"] = field(default_factory=list)
 
 
 @dataclass
 class TrajectoryGroup:
     task: object
     trajectories: list[Trajectory]
+    tree: Node                      # an empty root; its child, the prompt; below it, one node a turn
+
+
+def make_group(task, trajectories) -> TrajectoryGroup:
+    """The trajectories with their tree: each trajectory split at its turns (the prompt, then a turn
+    and the tool's answer, ...), and a node for each distinct run of turns so far. A trajectory
+    without recorded turns is one node. The tree is built once here; the judge and the update read it.
+
+        trajectory 0: [prompt][list_tables + answer][run_sql A + answer][submit A]
+        trajectory 1: [prompt][list_tables + answer][run_sql B + answer]
+        tree:  root -> prompt {0, 1} -> list_tables {0, 1} -> run_sql A {0} -> submit A {0}
+                                                           -> run_sql B {1}
+    """
+    root = Node(0, [], [], list(range(len(trajectories))))
+    for i, t in enumerate(trajectories):
+        node, bounds = root, [(0, 0), *t.turns, (len(t.token_ids), len(t.messages))]
+        for (start, first), (end, last) in zip(bounds, bounds[1:]):
+            tokens = t.token_ids[start:end]
+            child = next((c for c in node.children if c.tokens == tokens), None)
+            if child is None:
+                child = Node(start, tokens, t.messages[first:last], [])
+                node.children.append(child)
+            child.rows.append(i)
+            node = child
+    return TrajectoryGroup(task, trajectories, root)
 
 
 @dataclass
@@ -182,7 +227,7 @@ class _Row:
     turn_start: int = 0                             # index in token_ids where this turn's tokens begin
     text_len: int = 0                               # len(decode(token_ids[:turn_start]))
     pending: list[int] = field(default_factory=list)  # tokens to append, waiting for the next flush
-    drafts: list[int] = field(default_factory=list)   # tokens fed after the row's last one, to be checked (_draft)
+    turns: list[tuple[int, int]] = field(default_factory=list)  # Trajectory.turns
     stop_reason: str = ""
     num_turns: int = 0
     num_tool_calls: int = 0
@@ -225,17 +270,17 @@ def stop_token_ids(model, tokenizer) -> set[int]:
 
 
 def _sample(logits, sampling: Sampling, generator) -> torch.Tensor:
-    """Next tokens (B, C) from logits (B, C, V): greedy, or temperature + nucleus (top-p) sampling."""
+    """Next tokens (B,) from logits (B, V): greedy, or temperature + nucleus (top-p) sampling."""
     if sampling.greedy:
         return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)     # (B, C, V)
+    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)     # (B, V)
     if sampling.top_p < 1.0:   # keep the smallest set of tokens whose mass reaches top_p
         sorted_p, order = probs.sort(dim=-1, descending=True)
         drop = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p                # mass before this token
         probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     # the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a sample from p (the Gumbel-max
     # trick in another guise), cheaper than torch.multinomial over a large V
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)     # (B, C, V)
+    race = torch.empty_like(probs).exponential_(1.0, generator=generator)     # (B, V)
     return (probs / race).argmax(-1)
 
 
@@ -246,53 +291,43 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, stats=None, on_message=None, max_rows=None,
-                   share_histories=True) -> list[TrajectoryGroup]:
+                   make_env=None, forced_turns=None, on_message=None, max_rows=None) -> list[TrajectoryGroup]:
     """N trajectories for each task, decoded in one batch (the steps in the module docstring): one
-    TrajectoryGroup per task, in task order. The same seed gives the same trajectories.
+    TrajectoryGroup per task, in task order, with its tree. The same seed gives the same trajectories.
 
     make_env: task -> environment (default sql_env.SQLEnv) with .tools, .call(name, args), .done,
         .submitted_sql, .correct, .num_tool_errors.
     forced_turns: a test hook: forced_turns[i][k] is a text row i (task-major: task g, sample j is
         row g*n + j) emits at the start of turn k instead of sampling; its log-probs are the model's.
-    stats: a dict to fill with engine counters (forwards, fed_tokens, forward_s, total_s, ...; the
-        flushes' forwards alone under flush_*).
     on_message: on_message(row, message), called as a row records an assistant turn or a tool message.
     max_rows: at most this many rows decode at once (default: all G*N); the others join at flushes,
-        in task order, in the places of finished rows (continuous batching).
-    share_histories: at a flush, rows whose tokens so far are the same are fed once, and the cache
-        row and logits copied to the others (False: every row fed)."""
+        in task order, in the places of finished rows (continuous batching)."""
     if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
         return []
-    t_start, was_training = time.perf_counter(), model.training
+    was_training, device = model.training, model.device
     model.eval()
-    generator = torch.Generator(device=model.device).manual_seed(sampling.seed)
+    generator = torch.Generator(device=device).manual_seed(sampling.seed)
     stop_ids, pad_id, chat = stop_token_ids(model, tokenizer), tokenizer.pad_token_id or 0, _Chat(tokenizer)
     forward = CachedForward(model, sampling.weight_dtype)
-    counters = dict(prompt_tokens=0, appended_tokens=0, non_finite_rows=0, packed_columns=0, drafted_tokens=0,
-                    accepted_drafts=0)
 
     with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py says why)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
         rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
-        # the rows' first feed: at least one token of their own
         prefix, prefix_len = KVCache(model.config), common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
-        forward(torch.tensor([prompts[0][:prefix_len]], device=model.device),
-                torch.ones((1, prefix_len), dtype=torch.long, device=model.device), prefix, flush=True)
+        forward(torch.tensor([prompts[0][:prefix_len]], device=device),
+                torch.ones((1, prefix_len), dtype=torch.long, device=device), prefix)
         for r, row in enumerate(rows):
-            row.pending = prompts[r // n][prefix_len:]
-        counters["prompt_tokens"] = prefix_len
+            row.pending = prompts[r // n][prefix_len:]     # the rows' first feed: at least one token of their own
 
         cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
-        mask = torch.zeros((0, 0), dtype=torch.long, device=model.device)       # (B, S): 1 real token, 0 hole
+        mask = torch.zeros((0, 0), dtype=torch.long, device=device)       # (B, S): 1 real token, 0 hole
         waiting = list(range(len(rows)))[::-1]   # rows not started yet, the next one last
-        active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, C, V)
+        active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, V)
         max_rows = max_rows or len(rows)
 
         while active or waiting:
-            # 2) every active row that is mid-turn takes its next tokens: forced, greedy or sampled, one
-            #    from each of the row's C logit columns while they confirm its drafts (see _draft)
+            # 2) every active row that is mid-turn takes its next token: forced, greedy or sampled
             feed = {}                       # r -> tokens to feed in the next forward
             if active:
                 chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling, generator)
@@ -301,35 +336,19 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                 row = rows[r]
                 if row.pending:             # waiting for the flush: not mid-turn, fed a hole
                     continue
-                drafts, row.drafts, in_cache = row.drafts, [], 0   # in_cache: the drafts the row took (real tokens in the cache)
-                for column in range(logits.shape[1] - 1 - len(drafts), logits.shape[1]):
-                    if not finite[b][column]:       # an overflow upstream: no token to take, the row ends here
-                        counters["non_finite_rows"] += 1
-                        _end_turn(row, limits, chat, truncated="non_finite_logits")
-                        break
-                    token = chosen[b][column]
-                    _take_token(row, token, chosen_logprobs[b][column], stop_ids, limits, chat)
-                    counters["appended_tokens"] += len(row.pending)   # a tool message and the next header, if the turn ended
-                    if in_cache < len(drafts) and token == drafts[in_cache]:
-                        in_cache += 1               # the draft confirmed: already fed, its logits in the next column
-                        if row.pending or row.stop_reason:
-                            break
-                        continue
-                    if row.pending:
-                        row.pending.insert(0, token)       # the call's last token is not in the cache yet
-                    elif not row.stop_reason:              # still mid-turn: the token, and drafts to check
-                        row.drafts = [] if _forced_token(row) is not None else _draft(row.token_ids, sampling.draft)
-                        feed[r] = [token] + row.drafts
-                        counters["drafted_tokens"] += len(row.drafts)
-                    break
-                counters["accepted_drafts"] += in_cache
-                if in_cache < len(drafts):          # the drafts after the first refused one are holes from now on
-                    mask[b, mask.shape[1] - (len(drafts) - in_cache):] = 0
+                if not finite[b]:           # an overflow upstream: no token to take, the row ends here
+                    _end_turn(row, limits, chat, truncated="non_finite_logits")
+                    continue
+                _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, chat)
+                if row.pending:
+                    row.pending.insert(0, chosen[b])      # the call's last token is not in the cache yet
+                elif not row.stop_reason:
+                    feed[r] = [chosen[b]]
 
             # 4) drop finished rows from the batch (cache, mask and their bookkeeping)
             keep = [b for b, r in enumerate(active) if not rows[r].stop_reason]
             if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.long, device=model.device)
+                index = torch.tensor(keep, dtype=torch.long, device=device)
                 cache.batch_select_indices(index)
                 mask = mask[index]
                 active = [active[b] for b in keep]
@@ -338,48 +357,38 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             #    let waiting rows join with the prefix, and feed every row its queued tokens at once
             flush = not feed
             if flush:
-                mask, dropped = pack_left(cache, mask)
-                counters["packed_columns"] += dropped
+                mask = pack_left(cache, mask)
                 joining = [waiting.pop() for _ in range(min(len(waiting), max_rows - len(active)))]
                 if joining:
                     cache.add_rows(prefix, len(joining))          # the prefix, then holes up to the cache's width
                     width = cache.get_seq_length()
-                    new_mask = (torch.arange(width, device=model.device) < prefix_len).long().expand(len(joining), -1)
+                    new_mask = (torch.arange(width, device=device) < prefix_len).long().expand(len(joining), -1)
                     mask = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])), new_mask])   # holes to the width
                     active += joining
                 for r in active:
                     feed[r], rows[r].pending = rows[r].pending, []
-                    if rows[r].num_turns == 0:      # a row's first feed is the rest of its prompt
-                        counters["prompt_tokens"] += len(feed[r])
             if not active:
                 break
 
-            # 6) one forward for all rows over what they were fed; logits for each row's last token and
-            #    its drafts (right-aligned: the last C columns). At a flush, rows with the same tokens so
-            #    far get the same cache row and logits: one of each is fed (`firsts`), then copied (`which`)
-            firsts, which = (_distinct_histories([rows[r] for r in active]) if flush and share_histories
-                             else (range(len(active)), None))
+            # 6) one forward for all rows over what they were fed; logits for each row's last token. At a
+            #    flush, rows with the same tokens so far (one node of their group's tree) get the same
+            #    cache row and logits: one of each is fed (`firsts`), then copied (`which`)
+            firsts, which = _distinct_histories([rows[r] for r in active]) if flush else (range(len(active)), None)
             shared = len(firsts) < len(active)
             if shared:
-                cache.batch_select_indices(torch.tensor(firsts, device=model.device))
+                cache.batch_select_indices(torch.tensor(firsts, device=device))
                 mask = mask[firsts]
-            fed = [feed.get(active[b], []) for b in firsts]
-            ids, new_mask = right_aligned(fed, pad_id, model.device)                   # (B, W) each
-            mask = torch.cat([mask, new_mask], dim=1)                                    # (B, S+W)
-            columns = 1 + max(len(rows[r].drafts) for r in active)
-            logits = forward(ids, mask, cache, columns, flush)     # (B, C, V); a waiting row's are unused
+            ids, new_mask = right_aligned([feed.get(active[b], []) for b in firsts], pad_id, device)   # (B, W) each
+            mask = torch.cat([mask, new_mask], dim=1)                                                  # (B, S+W)
+            logits = forward(ids, mask, cache)                    # (B, V); a waiting row's are unused
             if shared:
-                index = torch.tensor(which, device=model.device)
+                index = torch.tensor(which, device=device)
                 cache.batch_select_indices(index)
                 mask, logits = mask[index], logits[index]
 
     model.train(was_training)
-    if stats is not None:
-        stats.update(counters, **forward.counters, **{"flush_" + k: v for k, v in forward.flushes.items()},
-                     forward_s=forward.seconds, total_s=time.perf_counter() - t_start,
-                     generated_tokens=sum(sum(row.mask) for row in rows))
     trajectories = [_trajectory(row) for row in rows]
-    return [TrajectoryGroup(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
+    return [make_group(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
 
 
 def _distinct_histories(rows):
@@ -412,20 +421,20 @@ def _start_rows(tasks, n, chat, limits, make_env, forced_turns, on_message=None)
             hook = (lambda message, row=len(rows): on_message(row, message)) if on_message else None
             rows.append(_Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
                              [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
-                             text_len=len(chat.decode(prompt)), on_message=hook))
+                             text_len=len(chat.decode(prompt)), turns=[(len(prompt), len(messages))], on_message=hook))
     return rows, prompts
 
 
 def _next_tokens(logits, rows, sampling, generator):
-    """A token from each of the C logit columns of each row, logits (B, C, V): greedy or sampled, or
-    the row's forced token (in the last column: a forced row has no drafts). Log-probs under the raw
-    distribution (temperature 1, no top-p). Returns (tokens, log-probs, finite), B lists of C."""
-    logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, C, V)
-    chosen = _sample(logits, sampling, generator)                                     # (B, C)
+    """A token for each row from its logits (B, V): greedy or sampled, or the row's forced token.
+    Log-probs under the raw distribution (temperature 1, no top-p). Returns (tokens, log-probs,
+    finite), B each."""
+    logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, V)
+    chosen = _sample(logits, sampling, generator)                                     # (B,)
     for b, row in enumerate(rows):
         if (forced := _forced_token(row)) is not None:
-            chosen[b, -1] = forced
-    chosen_logprobs = logprobs.gather(2, chosen[:, :, None])[:, :, 0]                # (B, C)
+            chosen[b] = forced
+    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]                       # (B,)
     return chosen.tolist(), chosen_logprobs.tolist(), torch.isfinite(logits).all(-1).tolist()
 
 
@@ -433,26 +442,6 @@ def _forced_token(row) -> int | None:
     """The row's next token where it is scripted (forced_turns, a test hook), else None."""
     turn, done = row.num_turns, len(row.token_ids) - row.turn_start
     return row.forced[turn][done] if turn < len(row.forced) and done < len(row.forced[turn]) else None
-
-
-def _draft(tokens, k, ngram=3) -> list[int]:
-    """Up to k tokens the row may write next, guessed from its own context (prompt lookup decoding,
-    Saxena 2023): what followed the most recent earlier occurrence of the row's last n tokens (n = 3,
-    else 2). An agent copies much of its context: table names, the query it ran, the call format.
-
-    The next forward feeds the token and its drafts together. A token is drawn from each logit
-    column in turn, and the row goes on to the next column only while the token drawn equals the
-    draft fed there: every token is drawn given exactly the row's own past, so the trajectory has
-    the distribution it has without drafts (greedy: the same tokens) and each log-prob is a fresh
-    forward's. Refused drafts stay in the cache as holes (mask 0) until the next flush packs them."""
-    if k == 0:
-        return []
-    for n in range(ngram, 1, -1):
-        tail = tokens[-n:]
-        for start in range(len(tokens) - n - 1, -1, -1):
-            if tokens[start + n - 1] == tail[-1] and tokens[start:start + n] == tail:
-                return tokens[start + n:start + n + k]
-    return []
 
 
 def _take_token(row, token, logprob, stop_ids, limits, chat):
@@ -476,7 +465,7 @@ def _trajectory(row) -> Trajectory:
                       row.num_parse_errors + row.env.num_tool_errors,
                       # behaviour counters of sql_env.SQLEnv; an environment without them reports none
                       num_describe_calls=getattr(row.env, "num_describe_calls", 0),
-                      failed_submission=getattr(row.env, "submit_error", None) is not None)
+                      failed_submission=getattr(row.env, "submit_error", None) is not None, turns=row.turns)
 
 
 def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool = False):
@@ -516,6 +505,7 @@ def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool 
     row.mask += [0] * len(suffix)
     row.logprobs += [0.0] * len(suffix)
     row.turn_start, row.text_len = len(row.token_ids), len(chat.decode(row.token_ids))
+    row.turns.append((row.turn_start, len(row.messages)))
 
 
 def _record(row: _Row, message: dict):
@@ -551,7 +541,7 @@ def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) 
     messages = build_messages(task, env.tools, inline_tools=not template_takes_tools(tokenizer))
     prompt = chat.encode(render(tokenizer, messages, env.tools, add_generation_prompt=True))
     row = _Row(task, env, env.tools, messages, list(prompt), [0] * len(prompt), [0.0] * len(prompt), [],
-               turn_start=len(prompt), text_len=len(chat.decode(prompt)))
+               turn_start=len(prompt), text_len=len(chat.decode(prompt)), turns=[(len(prompt), len(messages))])
     for text in turns:
         assert not row.stop_reason, f"turn {text!r} comes after the episode ended ({row.stop_reason})"
         ids = chat.encode(text)

@@ -1,7 +1,7 @@
 """Greedy evaluation on held-out splits: what train.py reports as held-out accuracy.
 
     sets = load_eval_sets("default", ["test", "test_schema"], size=32)   # {split: tasks}, fixed subsets
-    record = evaluate_splits(model, tokenizer, sets, limits, run_dir, "sft", draft=2)
+    record = evaluate_splits(model, tokenizer, sets, limits, run_dir, "sft")
     print(format_evals(record, list(sets)))
 
 Contract:
@@ -74,16 +74,16 @@ def on_cpu_only(weight_dtype, device):
     return weight_dtype if device.type == "cpu" else None
 
 
-def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, processes=1, weight_dtype=None):
+def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, processes=1, weight_dtype=None):
     """Greedy, one trajectory per task: execution accuracy overall and by tier, turns, tool errors,
     and the behaviour counters, under eval_* keys. All tasks go through one engine call, `max_rows`
     episodes at a time, a finished episode's place taken by the next task (continuous batching);
     the KV cache is rows x context, so `max_rows` bounds the memory. path: a .jsonl file to write
-    every episode to (episode_record). draft: Sampling.draft. processes: on a CPU, that many forked
+    every episode to (episode_record). processes: on a CPU, that many forked
     processes of one thread each, each with a contiguous share of the tasks and its own `max_rows`
     (parallel.forked). weight_dtype: Sampling.weight_dtype, on a CPU only."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    greedy = agentrl.Sampling(greedy=True, draft=draft, weight_dtype=on_cpu_only(weight_dtype, model.device))
+    greedy = agentrl.Sampling(greedy=True, weight_dtype=on_cpu_only(weight_dtype, model.device))
 
     def episodes(share):
         return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
@@ -119,7 +119,7 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, draft=0, p
 def evaluate_splits(model, tokenizer, eval_sets, limits, run_dir=None, label=None, **options):
     """One evaluation record for every held-out split of eval_sets ({split: tasks}), as the module
     docstring lays it out. With run_dir, the episodes go to run_dir/evals/<label>_<split>.jsonl.
-    options: evaluate's draft, processes and weight_dtype."""
+    options: evaluate's processes and weight_dtype."""
     record = {}
     for i, (split, tasks) in enumerate(eval_sets.items()):
         path = os.path.join(run_dir, "evals", f"{label}_{split}.jsonl") if run_dir else None

@@ -1,25 +1,25 @@
 """The learning rule: GRPO on a LoRA, written as small pure functions.
 
-    batch, advantages, counts = batch_from_groups(groups, rewards)   # 1) better or worse than the group?
-    scaler = torch.amp.GradScaler(device.type, enabled=fp16)         #    (disabled: a pass-through)
-    stats = grpo_update(model, optimizer, batch, advantages, GRPOConfig(), scaler,  # 2) optimizer steps
-                        reference_context=lora.lora_disabled(model))
+    batch, counts = batch_from_groups(groups, rewards)             # 1) better or worse than the group?
+    scaler = torch.amp.GradScaler(device.type, enabled=fp16)       #    (disabled: a pass-through)
+    stats = grpo_step(model, optimizer, batch, GRPOConfig(), scaler,  # 2) one optimizer step
+                      reference_context=lora.lora_disabled(model))
 
 GRPO (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300) drops PPO's value network: the n
 trajectories of a group answer the same task, so the group mean reward is the baseline, and
 every trained token of a trajectory shares its advantage. The update is PPO's clipped surrogate
 on those advantages, token by token, over the tokens the model sampled (prompts and tool
-results carry mask 0). One step (grpo_step): forward.accumulate_gradients forwards the batch and
-asks policy_loss for each micro-batch's loss, normalized over the whole step; the gradient norm
-is clipped and the optimizer steps. A non-finite loss or gradient skips the step. Beside it, the
-control GRPO is measured against: rft_update, supervised steps on a step's correct rollouts.
+results carry mask 0). One step (grpo_step): each group's tree is forwarded once
+(forward.tree_logprobs), policy_loss gives its loss, normalized over the whole step, and its
+backward adds into the gradient; the gradient norm is clipped and the optimizer steps. A
+non-finite loss or gradient skips the step. Beside it, the control GRPO is measured against:
+sft_step on a step's correct rollouts (rejection-sampling fine-tuning).
 
 Simplifications, and why they are safe:
 - The PPO "old" policy is the rollout policy itself (its `sampled_logprobs`): no extra forward.
   With one optimizer step per batch the ratio is 1 up to the numerical gap between the
-  KV-cached sampler and this forward, and the clip has nothing to do; with several
-  (config.epochs) the policy moves after the first, and the clip keeps each step near the
-  policy that sampled (clip_frac_*, kl_old).
+  KV-cached sampler and this forward, and the clip has little to do (clip_frac_*, kl_old say
+  how much). Several steps on one batch were measured to collapse the policy (RESULTS.md).
 - The KL reference is a context manager under which the model is the reference
   (lora.lora_weights: the adapter RL started from; lora.lora_disabled: the base model): no
   second model in memory.
@@ -29,11 +29,11 @@ Simplifications, and why they are safe:
 Letters in shape comments: B sequences in a micro-batch, T tokens (right-padded).
 """
 import math
-import random
 from dataclasses import dataclass
 
 import torch
 
+import agentrl
 import forward
 
 AGGREGATIONS = ("token", "sequence", "constant")
@@ -41,8 +41,8 @@ AGGREGATIONS = ("token", "sequence", "constant")
 
 @dataclass
 class GRPOConfig:
-    micro_batch_size: int = 8         # sequences per forward/backward; gradients accumulate over the step
-    chunk_size: int | None = 512      # positions per lm_head chunk (forward.token_logprobs); None = all at once
+    micro_batch_size: int = 8         # trajectories of a group per forward (their tree's nodes once); gradients add up
+    chunk_size: int | None = 512      # positions per lm_head chunk (forward.tree_logprobs); None = all at once
     clip_low: float = 0.2             # PPO epsilon below ratio 1 (Schulman et al. 2017)
     clip_high: float = 0.28           # above ratio 1: DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476)
     aggregation: str = "token"        # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO): policy_loss
@@ -50,10 +50,7 @@ class GRPOConfig:
     kl_coef: float = 0.0              # beta of the k3 KL to the reference policy; 0 = no reference forward (DAPO)
     max_grad_norm: float = 1.0        # global gradient-norm clip
     gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, more time
-    shared_prefix: bool = True        # forward the prompt all sequences start with once per step (forward.SharedPrefix)
-    group_segments: bool = True       # and each group's run of shared tokens after it once (forward.prefix_families)
     amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
-    epochs: int = 1                   # optimizer steps per batch of rollouts, each a pass over all of it (grpo_update)
 
 
 # ---------------------------------------------------------------- 1) advantages
@@ -102,24 +99,25 @@ def group_advantages(rewards, scale_by_std=True, eps=1e-6):
 
 
 def batch_from_groups(groups, rewards, scale_by_std=True):
-    """From a step's groups and their rewards to what grpo_step takes: (batch, advantages, counts).
+    """From a step's groups and their rewards to what grpo_step takes: (batch, counts).
 
-    groups: objects with .trajectories (each with .stop_reason); rewards: one list per group. A
+    groups: agentrl.TrajectoryGroup; rewards: one list per group. batch: [(group, advantages)] for
+    the groups with signal, advantages one float per trajectory, None for one left out. A
     trajectory cut on non-finite logits (fp16 overflow) is a numeric failure, not an outcome of
     the policy: it leaves its group before the baseline is taken (a group left with under 2 is
-    unscored). Groups without signal add nothing. counts: group_advantages' + non_finite_trajectories.
+    unscored). counts: group_advantages' + non_finite_trajectories.
     """
     assert len(groups) == len(rewards), "one list of rewards per group"
     kept = [[i for i, t in enumerate(g.trajectories) if t.stop_reason != "non_finite_logits"] for g in groups]
     kept_rewards = [[rs[i] for i in ks] if len(ks) >= 2 else None for rs, ks in zip(rewards, kept)]
     advantages, counts = group_advantages(kept_rewards, scale_by_std=scale_by_std)
-    batch, batch_advantages = [], []
+    batch = []
     for group, ks, adv in zip(groups, kept, advantages):
         if adv is not None:
-            batch += [group.trajectories[i] for i in ks]
-            batch_advantages += adv
+            per_trajectory = dict(zip(ks, adv))
+            batch.append((group, [per_trajectory.get(i) for i in range(len(group.trajectories))]))
     counts["non_finite_trajectories"] = sum(len(g.trajectories) - len(ks) for g, ks in zip(groups, kept))
-    return batch, batch_advantages, counts
+    return batch, counts
 
 
 # ---------------------------------------------------------------- 2) the loss
@@ -211,12 +209,12 @@ def sampled_entropy(trajectories):
     return -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories) / max(1, tokens)
 
 
-def normalizer_counts(trajectories, config):
+def normalizer_counts(batch, config):
     """The counts the loss normalizer divides by (policy_loss): sequences and trained tokens of
     the whole step, forwarded or not, and Dr. GRPO's constant (the step's longest if not set)."""
-    masks = [sum(t.assistant_mask) for t in trajectories]
-    return {"num_sequences": len(trajectories), "num_tokens": sum(masks),
-            "max_tokens": config.max_tokens or max(masks, default=0)}
+    masks = [sum(t.assistant_mask) for group, advantages in batch
+             for t, a in zip(group.trajectories, advantages) if a is not None]
+    return {"num_sequences": len(masks), "num_tokens": sum(masks), "max_tokens": config.max_tokens or max(masks, default=0)}
 
 
 # ---------------------------------------------------------------- 3) one optimizer step
@@ -249,12 +247,11 @@ def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     return grad_norm
 
 
-def grpo_step(model, optimizer, trajectories, advantages, config, scaler, reference_context=None,
-              counts=None, all_reduce=None):
-    """One optimizer step on `trajectories` (token_ids, assistant_mask, sampled_logprobs), one
-    advantage each; `optimizer` holds the LoRA parameters. reference_context: a context manager
-    under which `model` is the KL reference (needed when config.kl_coef > 0). scaler: a
-    torch.amp.GradScaler, enabled for fp16, a pass-through otherwise. Returns floats for logging.
+def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, counts=None, all_reduce=None):
+    """One optimizer step on `batch` (batch_from_groups: [(group, advantages)]); `optimizer` holds
+    the LoRA parameters. reference_context: a context manager under which `model` is the KL
+    reference (needed when config.kl_coef > 0). scaler: a torch.amp.GradScaler, enabled for
+    fp16, a pass-through otherwise. Returns floats for logging.
 
     Data parallel (parallel.py): each process passes its share of the step, `counts` =
     normalizer_counts of the whole step, and `all_reduce`, summing a tensor in place over the
@@ -262,57 +259,61 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
     gradients are its gradient. Every process takes part, even one with nothing to forward, and
     all take the same decision: step, or skip if any had a non-finite loss.
     """
-    assert len(trajectories) == len(advantages), "one advantage per trajectory"
-    assert all(math.isfinite(a) for a in advantages), "non-finite advantage"
+    assert all(math.isfinite(a) for _, advantages in batch for a in advantages if a is not None), "non-finite advantage"
     assert config.kl_coef == 0 or reference_context is not None, "kl_coef > 0 needs a reference_context"
-    masks = [sum(t.assistant_mask) for t in trajectories]  # trained tokens per trajectory
-    norm = counts or normalizer_counts(trajectories, config)  # over the WHOLE step (see policy_loss)
+    device = next(model.parameters()).device
+    norm = counts or normalizer_counts(batch, config)  # over the WHOLE step (see policy_loss)
+    trained = [(t, a) for group, advantages in batch for t, a in zip(group.trajectories, advantages) if a is not None]
     stats = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0, "kl_old": 0.0,
-             "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
-             "sequences": len(trajectories), "tokens": sum(masks), "forwarded_sequences": 0,
-             "entropy": sampled_entropy(trajectories)}
-
-    # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no gradient;
-    # its tokens are in the normalizer already, so its forward is skipped, unless a KL term pulls
-    # them toward the reference. A trajectory without trained tokens has nothing to forward.
-    keep = [i for i, a in enumerate(advantages) if masks[i] > 0 and (a != 0 or config.kl_coef > 0)]
-    if not keep and all_reduce is None:
-        stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
-        return stats
-
+             "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "", "sequences": len(trained),
+             "tokens": norm["num_tokens"] if counts is None else sum(sum(t.assistant_mask) for t, _ in trained),
+             "forwarded_sequences": 0, "forwarded_tokens": 0, "entropy": sampled_entropy([t for t, _ in trained])}
     averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + (["kl"] if config.kl_coef > 0 else [])
-    sums, forwarded_tokens = dict.fromkeys(averaged, 0.0), 0
-
-    def loss_of(logprobs, b):
-        """A micro-batch's loss (or a segment's), its stats counted into the step's; None if not finite."""
-        nonlocal forwarded_tokens
-        loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"], clip_low=config.clip_low,
-                              clip_high=config.clip_high, aggregation=config.aggregation, kl_coef=config.kl_coef,
-                              ref_logprobs=b.get("ref_logprobs"), sequence_tokens=b["sequence_tokens"], **norm)
-        if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
-            stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
-            return None
-        stats["loss"] += loss.item()
-        forwarded_tokens += s["tokens"]
-        for k in averaged:  # token-weighted means over the micro-batches
-            sums[k] += s[k] * s["tokens"]
-        return loss
+    sums = dict.fromkeys(averaged, 0.0)
+    autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
 
     optimizer.zero_grad(set_to_none=True)
     try:
-        stats["forwarded_sequences"] = forward.accumulate_gradients(
-            model, [trajectories[i] for i in keep], config, scaler, loss_of, advantages=[advantages[i] for i in keep],
-            reference_context=reference_context if config.kl_coef > 0 else None)
-        if stats["skipped"] and all_reduce is None:
-            return stats          # (under all_reduce, the other processes wait for this one's gradients)
-        stats.update({k: v / max(1, forwarded_tokens) for k, v in sums.items()}, forwarded_tokens=forwarded_tokens)
-        if all_reduce is not None:
+        with forward.training(model, config.gradient_checkpointing):
+            for group, advantages in batch:
+                # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no
+                # gradient; its tokens are in the normalizer already, so its forward is skipped, unless
+                # a KL term pulls them toward the reference. One without trained tokens has nothing to forward.
+                rows = [i for i, (t, a) in enumerate(zip(group.trajectories, advantages))
+                        if a is not None and sum(t.assistant_mask) and (a != 0 or config.kl_coef > 0)]
+                for part in [rows[k:k + config.micro_batch_size] for k in range(0, len(rows), config.micro_batch_size)]:
+                    b = forward.collate([group.trajectories[i] for i in part], [advantages[i] for i in part], device)
+                    ref_logprobs = None
+                    if config.kl_coef > 0:   # the reference first: its context may swap weights in place
+                        with torch.no_grad(), reference_context, autocast:
+                            ref_logprobs = forward.tree_logprobs(model, group.tree, group.trajectories, part, config.chunk_size)
+                    with autocast:
+                        logprobs = forward.tree_logprobs(model, group.tree, group.trajectories, part, config.chunk_size)
+                    loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"], clip_low=config.clip_low,
+                                          clip_high=config.clip_high, aggregation=config.aggregation, kl_coef=config.kl_coef,
+                                          ref_logprobs=ref_logprobs, sequence_tokens=b["sequence_tokens"], **norm)
+                    if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
+                        stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
+                        break
+                    scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
+                    stats["loss"] += loss.item()
+                    stats["forwarded_sequences"] += len(part)
+                    stats["forwarded_tokens"] += s["tokens"]
+                    for k in averaged:  # token-weighted means over the micro-batches
+                        sums[k] += s[k] * s["tokens"]
+                if stats["skipped"]:
+                    break
+        stats.update({k: v / max(1, stats["forwarded_tokens"]) for k, v in sums.items()})
+        if all_reduce is not None:  # (the other processes wait for this one's gradients, even after a skip)
             params = [p for group in optimizer.param_groups for p in group["params"]]
             failed, forwarded = sum_gradients(params, all_reduce, [stats["skipped"], stats["forwarded_sequences"]])
             if failed or not forwarded:
                 stats.update(skipped=True, skip_reason=stats["skip_reason"] or (
                     "a non-finite loss in another process" if failed else "no trained token with a nonzero advantage"))
-                return stats
+        elif not stats["forwarded_sequences"] and not stats["skipped"]:
+            stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
+        if stats["skipped"]:
+            return stats
         stats["grad_norm"] = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(stats["grad_norm"]):
             stats.update(skipped=True, skip_reason=f"non-finite gradient norm ({stats['grad_norm']})")
@@ -321,91 +322,36 @@ def grpo_step(model, optimizer, trajectories, advantages, config, scaler, refere
         optimizer.zero_grad(set_to_none=True)  # a skipped step leaves no stale gradient behind
 
 
-# ---------------------------------------------------------------- 4) several steps on one batch
-def _passes(n, epochs, seed):
-    """The order of n rollouts in each of `epochs` passes: one pass is the batch as given;
-    several each shuffle the order the pass before left (seeded, so a resumed run repeats them)."""
-    order, rng, passes = list(range(n)), random.Random(seed), []
-    for _ in range(epochs):
-        if epochs > 1:
-            rng.shuffle(order)
-        passes.append(list(order))
-    return passes
-
-
-def _several_steps(steps, keys):
-    """One record for one batch's optimizer steps, with `updates` (steps applied): a single step's
-    stats as they are; for several, `keys` averaged over the steps applied (0.0 if none),
-    `skipped` only when every step was, and the first skip's reason."""
-    applied = [s for s in steps if not s["skipped"]]
-    if len(steps) == 1:
-        return {**steps[0], "updates": len(applied)}
-    first_skip = next((s["skip_reason"] for s in steps if s["skipped"]), "")
-    return {**{k: sum(s[k] for s in applied) / len(applied) if applied else 0.0 for k in keys},
-            "updates": len(applied), "skipped": not applied, "skip_reason": first_skip}
-
-
-def grpo_update(model, optimizer, trajectories, advantages, config, scaler, reference_context=None, seed=0):
-    """config.epochs optimizer steps (grpo_step) on one batch of rollouts, each a pass over all of
-    it against the rollout's log-probs: PPO's reuse of a costly batch. From the second step on the
-    policy has moved, so the ratio and the clip act (clip_frac_*, kl_old). epochs = 1 is exactly
-    one grpo_step on the batch in its order. Returns grpo_step's stats (averaged over the steps
-    applied when there are several, with kl_old_last, the last one's) and `updates`.
-    """
-    steps = [grpo_step(model, optimizer, [trajectories[i] for i in order], [advantages[i] for i in order],
-                       config, scaler, reference_context) for order in _passes(len(trajectories), config.epochs, seed)]
-    stats = _several_steps(steps, ("loss", "clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old", "grad_norm"))
-    if len(steps) > 1:
-        applied = [s for s in steps if not s["skipped"]]
-        stats.update(kl=sum(s["kl"] for s in applied) / len(applied) if applied and config.kl_coef > 0 else None,
-                     kl_old_last=applied[-1]["kl_old"] if applied else 0.0,   # the farthest the policy got from the sampler
-                     sequences=len(trajectories), tokens=steps[0]["tokens"], entropy=sampled_entropy(trajectories),
-                     forwarded_sequences=sum(s["forwarded_sequences"] for s in steps))
-    return stats
-
-
-# ---------------------------------------------------------------- 5) supervised steps
+# ---------------------------------------------------------------- 4) supervised steps
 def sft_step(model, optimizer, trajectories, config, scaler):
     """One supervised step: maximize log p of the assistant tokens of demonstration trajectories,
     with the RL step's tokens, masks, forward and precision, so a warm start teaches exactly the
-    format rollouts produce. Loss = -(sum of masked log-probs) / (trained tokens of the whole
-    step), so micro-batches accumulate to the full-batch gradient. A non-finite loss or gradient
-    skips the step. Returns {sft_loss, grad_norm, tokens, skipped} or {sft_loss, skipped, skip_reason}.
+    format rollouts produce; the turns the trajectories share (agentrl.make_group) are forwarded
+    once. Loss = -(sum of masked log-probs) / (trained tokens of the whole step), so micro-batches
+    accumulate to the full-batch gradient. A non-finite loss or gradient skips the step. Returns
+    {sft_loss, grad_norm, tokens, skipped} or {sft_loss, skipped, skip_reason}.
     """
     num_tokens = sum(sum(t.assistant_mask) for t in trajectories)
     assert num_tokens > 0, "SFT needs trajectories with trained (assistant) tokens"
-    stats = {"sft_loss": 0.0, "skipped": False}
-
-    def nll(logprobs, b):
-        """A micro-batch's (or a segment's) share of the loss; None if it is not finite."""
-        loss = -(logprobs * b["mask"]).sum() / num_tokens
-        if not torch.isfinite(loss):
-            stats.update(sft_loss=loss.item(), skipped=True, skip_reason="non-finite loss")
-            return None
-        stats["sft_loss"] += loss.item()
-        return loss
-
+    device, tree = next(model.parameters()).device, agentrl.make_group(None, trajectories).tree
+    autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
+    mbs, sft_loss = config.micro_batch_size, 0.0
     optimizer.zero_grad(set_to_none=True)
     try:
-        forward.accumulate_gradients(model, trajectories, config, scaler, nll)
-        if stats["skipped"]:
-            return stats
+        with forward.training(model, config.gradient_checkpointing):
+            for part in [list(range(k, min(k + mbs, len(trajectories)))) for k in range(0, len(trajectories), mbs)]:
+                with autocast:
+                    logprobs = forward.tree_logprobs(model, tree, trajectories, part, config.chunk_size)   # (B, T)
+                mask = forward.collate([trajectories[i] for i in part], [0.0] * len(part), device)["mask"]
+                loss = -(logprobs * mask).sum() / num_tokens
+                if not torch.isfinite(loss):
+                    return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
+                scaler.scale(loss).backward()
+                sft_loss += loss.item()
         grad_norm = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(grad_norm):
-            return {"sft_loss": stats["sft_loss"], "skipped": True, "skip_reason": f"non-finite gradient norm ({grad_norm})"}
-        return {"sft_loss": stats["sft_loss"], "grad_norm": grad_norm, "tokens": num_tokens, "skipped": False}
+            return {"sft_loss": sft_loss, "skipped": True, "skip_reason": f"non-finite gradient norm ({grad_norm})"}
+        return {"sft_loss": sft_loss, "grad_norm": grad_norm, "tokens": num_tokens, "skipped": False}
     finally:
         optimizer.zero_grad(set_to_none=True)
 
-
-def rft_update(model, optimizer, correct, config, scaler, seed=0):
-    """Rejection-sampling fine-tuning, the control GRPO is measured against: as many supervised
-    steps (sft_step) on a step's correct rollouts as grpo_update takes on its batch, in the same
-    orders, so the two differ in what they learn from, not in how often they step. Returns
-    sft_step's stats (averaged over the steps applied when there are several) and `updates`."""
-    steps = [sft_step(model, optimizer, [correct[i] for i in order], config, scaler)
-             for order in _passes(len(correct), config.epochs, seed)]
-    stats = _several_steps(steps, ("sft_loss", "grad_norm"))
-    if len(steps) > 1:
-        stats["tokens"] = sum(sum(t.assistant_mask) for t in correct)
-    return stats

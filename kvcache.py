@@ -1,13 +1,13 @@
 """The rollout engine's KV cache and the forward over it: preallocated buffers, ragged rows, and
-logits for the last columns only.
+logits for each row's last column only.
 
     cache = KVCache(model.config, capacity=prompt_len + max_new_tokens)   # capacity: a hint
     forward = CachedForward(model)
     ids, fed = right_aligned(token_lists, pad_id, device)   # each row's new tokens, (B, W) each
-    logits = forward(ids, torch.cat([mask, fed], 1), cache, columns=1)    # -> (B, C, V)
+    logits = forward(ids, torch.cat([mask, fed], 1), cache)             # -> (B, V)
     cache.add_rows(prefix, n)                          # n rows that start from a one-row prefix cache
     cache.batch_select_indices(index)                  # keep, reorder or copy rows
-    mask, cut = pack_left(cache, mask)                 # cut the columns that are holes in every row
+    mask = pack_left(cache, mask)                      # cut the columns that are holes in every row
 
 `KVCache` is a drop-in for transformers' DynamicCache in a model forward. DynamicCache grows by
 torch.cat, a copy of the whole past at every decode step; KVCache writes only the new columns into
@@ -17,11 +17,9 @@ full-attention layers only (Llama, Qwen2, SmolLM2).
 Rows are ragged: the (B, S) attention mask marks real tokens 1 and holes 0, and every forward
 passes position ids computed from it (cumsum - 1): a token's position is the number of real tokens
 before it in its own row, the position a fresh forward over the row's tokens gives it, so holes
-change no logit. Shapes: B rows, S cache columns, W tokens fed in one forward, C logit columns a
-row, V vocabulary.
+change no logit. Shapes: B rows, S cache columns, W tokens fed in one forward, V vocabulary.
 """
 import copy
-import time
 
 import torch
 from transformers.cache_utils import Cache, CacheLayerMixin
@@ -155,14 +153,14 @@ class KVCache(Cache):
 def pack_left(cache, mask):
     """Move each row's real columns to the left, in order, and cut the columns that are now holes in
     every row. A column's key already holds its position (rotary), and positions come from the mask
-    (cumsum - 1), so no token's position or attention changes. Returns (the new mask, columns cut)."""
+    (cumsum - 1), so no token's position or attention changes. Returns the new mask."""
     real = mask.sum(1)                                                              # (B,)
     width = int(real.max()) if len(mask) else 0     # no rows left: every column goes
     if width == mask.shape[1]:
-        return mask, 0
+        return mask
     order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]            # (B, width): real columns first
     cache.pack(order, width)
-    return (torch.arange(width, device=mask.device) < real[:, None]).long(), mask.shape[1] - width
+    return (torch.arange(width, device=mask.device) < real[:, None]).long()
 
 
 def right_aligned(chunks, pad_id, device):
@@ -180,41 +178,21 @@ def right_aligned(chunks, pad_id, device):
 
 
 class CachedForward:
-    """One forward of the decoder body over new tokens and the cache, then the lm_head on the last
-    columns only (a row's token and its drafts): full-vocabulary logits are never made for a whole
-    prompt or tool result. Counts and times every call (`counters`, `seconds`; the same for the
-    flushes alone in `flushes`). dtype: the head in that precision (a copy; None: the model's own)."""
+    """One forward of the decoder body over new tokens and the cache, then the lm_head on each row's
+    last column only: full-vocabulary logits are never made for a whole prompt or tool result.
+    dtype: the head in that precision (a copy; None: the model's own)."""
 
     def __init__(self, model, dtype=None):
-        self.body, self.head, self.device = model.base_model, model.get_output_embeddings(), model.device
+        self.body, self.head = model.base_model, model.get_output_embeddings()
         if dtype is not None and self.head.weight.dtype != dtype:
             self.head = copy.deepcopy(self.head).to(dtype)
         self.cache_arg = lora.cache_keyword(self.body)
-        # cache_columns: KV columns read (every row reads the whole (B, S+W) cache, holes included);
-        # query_key_pairs: attention's work, W new columns each against S+W
-        self.counters = dict(forwards=0, fed_tokens=0, fed_columns=0, logit_rows=0, cache_columns=0, query_key_pairs=0)
-        self.seconds = 0.0
-        self.flushes = dict.fromkeys([*self.counters, "forward_s"], 0)
 
-    def __call__(self, ids, mask, cache, columns=1, flush=False):
-        """ids (B, W) new tokens, mask (B, S+W) over cache + new columns -> logits (B, C, V) fp32 of
-        the last C = `columns` new columns. flush: the forward feeds queues (the prompts' prefix, the
-        rest of each prompt, tool messages), counted in `flushes` too."""
-        t0 = time.perf_counter()
+    def __call__(self, ids, mask, cache):
+        """ids (B, W) new tokens, mask (B, S+W) over cache + new columns -> logits (B, V) fp32 of
+        each row's last column."""
         W = ids.shape[1]
         positions = (mask.cumsum(-1) - 1).clamp(min=0)[:, -W:]   # (B, W): real tokens before each, in its row
         hidden = self.body(input_ids=ids, attention_mask=mask, position_ids=positions, use_cache=True,
                            **{self.cache_arg: cache}).last_hidden_state                     # (B, W, H)
-        logits = self.head(hidden[:, W - columns:].to(self.head.weight.dtype)).float()         # (B, C, V)
-        if self.device.type == "cuda":
-            torch.cuda.synchronize()
-        seconds = time.perf_counter() - t0
-        self.seconds += seconds
-        counts = dict(forwards=1, fed_tokens=int(mask[:, -W:].sum()), fed_columns=ids.numel(), logit_rows=len(ids) * columns,
-                      cache_columns=mask.numel(), query_key_pairs=ids.numel() * mask.shape[1])
-        for key, count in counts.items():
-            self.counters[key] += count
-        if flush:
-            for key, count in [*counts.items(), ("forward_s", seconds)]:
-                self.flushes[key] += count
-        return logits
+        return self.head(hidden[:, -1].to(self.head.weight.dtype)).float()                  # (B, V)

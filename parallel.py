@@ -141,15 +141,16 @@ def sum_counts(counts):
             "max_tokens": max(c["max_tokens"] for c in everyone)}
 
 
-def grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=None):
-    """grpo.grpo_step on this process's share of the step (batch: its rows), as one process holding
-    every row would take it: the loss normalized by the whole step's counts (sum_counts), the
-    gradients summed over the processes. Every process steps, with a share or with nothing, so
-    the adapters stay identical; a step with no trainable row anywhere is skipped everywhere."""
+def grpo_step(model, optimizer, batch, config, scaler, reference_context=None):
+    """grpo.grpo_step on this process's share of the step (batch: its groups), as one process
+    holding every group would take it: the loss normalized by the whole step's counts
+    (sum_counts), the gradients summed over the processes. Every process steps, with a share or
+    with nothing, so the adapters stay identical; a step with no trainable row anywhere is skipped
+    everywhere."""
     counts = sum_counts(grpo.normalizer_counts(batch, config))
     if not counts["num_sequences"]:
         return {"skipped": True, "skip_reason": "no trainable group"}
-    return grpo.grpo_step(model, optimizer, batch, advantages, config, scaler, reference_context=reference_context,
+    return grpo.grpo_step(model, optimizer, batch, config, scaler, reference_context=reference_context,
                           counts=counts, all_reduce=all_reduce)
 
 

@@ -7,16 +7,17 @@
     python report.py runs/default                    # rebuild the run's report.html from its folder
     torchrun --nproc_per_node=4 train.py --groups-per-step 16  # data parallel on 4 GPUs (parallel.py)
 
-A fresh run first evaluates the starting model on the held-out splits, then (--sft-steps) warm
-starts on gold demonstrations, evaluates again and checkpoints step 0. One step of the loop:
+A fresh run first warm starts on gold demonstrations (--sft-steps), then evaluates where RL starts
+on the held-out splits and checkpoints step 0. One step of the loop (train_step, then run_process):
 
     1) tasks             a few train questions, most from the frontier (tasks whose last group
                          came out mixed), the rest by tier, weighted toward ~50% success
     2) rollouts          --group-size trajectories per task, sampled with the current policy
     3) reward            reward = judge score + bonus * correct (score_groups)
     4) advantages        normalized within each group; all-equal groups skipped and counted
-    5) update            clipped policy-gradient steps on the LoRA only (grpo.grpo_update), or the
-                         control --update rft: supervised steps on the correct rollouts
+    5) update            one clipped policy-gradient step on the LoRA only, each group's tree
+                         forwarded once (grpo.grpo_step), or the control --update rft: a
+                         supervised step on the correct rollouts
     6) log               one `key=value | ...` line, metrics.jsonl, trajectories/, plot, report.html
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter, optimizer,
                          sampler and RNG state written atomically every step (checkpoint.py)
@@ -45,7 +46,7 @@ from tqdm import tqdm
 import agentrl
 import checkpoint
 import grpo
-import judge as judge_lib
+import judge
 import lora
 import parallel
 import report
@@ -54,7 +55,6 @@ from evaluate import (WEIGHT_DTYPES, behaviour, episode_record, evaluate_splits,
                       load_eval_sets, paired_line, split_outcomes)
 from files import read_json, read_jsonl, write_text_atomic
 
-DRAFT_TOKENS = 2       # prompt-lookup tokens a row checks per forward, in rollouts and evaluations (Sampling.draft)
 FRONTIER_SHARE = 0.75  # share of a step's tasks drawn from the frontier (sample_tasks)
 CANDIDATES = 2        # tasks rolled out per group trained on: the mixed groups among them are kept (mixed_first)
 SFT_BATCH_SIZE = 2     # demonstrations per warm-start step
@@ -93,13 +93,12 @@ class Config:
     sft_lr: float = knob(1e-3, "learning rate of the warm start")
     update: Literal["grpo", "rft"] = knob("grpo", "grpo: clipped policy gradient; rft: SFT on the correct rollouts")
     lr: float = knob(1e-4, "AdamW learning rate of the RL steps")
-    epochs: int = knob(1, "optimizer steps on each batch of rollouts (PPO epochs)")
     loss: Literal["token", "sequence", "constant"] = knob("token", "token: DAPO, sequence: GRPO, constant: Dr. GRPO")
     no_std_scaling: bool = knob(False, "advantages not divided by the group std (Dr. GRPO)")
     clip_low: float = knob(0.2, "ratio clipped below 1 - clip_low")
     clip_high: float = knob(0.28, "ratio clipped above 1 + clip_high (DAPO clip-higher)")
     kl_coef: float = knob(0.0, "k3 KL penalty to the policy RL started from (after SFT, or --adapter)")
-    micro_batch_size: int = knob(1, "sequences per forward/backward")
+    micro_batch_size: int = knob(8, "trajectories of a group per forward/backward (their shared turns once)")
     grad_checkpointing: bool = knob(True, "recompute each layer in the backward instead of keeping activations")
     eval_every: int = knob(0, "evaluate every K steps (0: only before and after training)")
     eval_size: int = knob(0, "held-out tasks per evaluation, the same whatever --seed (0: all)")
@@ -154,7 +153,7 @@ def parse_args(argv=None) -> Config:
 def check(c):
     """Raise ValueError naming the flag of the first setting that cannot run."""
     positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size",
-                "lora_r", "epochs", "judge_max_tokens"]
+                "lora_r", "judge_max_tokens"]
     held_out = "val" in c.eval_splits    # the validation slice of train, then never trained on
     adapter_run = c.adapter and os.path.dirname(os.path.normpath(c.adapter))
     problems = [
@@ -292,16 +291,16 @@ def make_judge(config, model, tokenizer, device):
     kind = config.judge if config.judge != "auto" else ("local" if device.type == "cuda" else "none")
     if kind.startswith("http"):
         url = kind if "://" in kind else None     # --judge http: $OPENAI_BASE_URL
-        backend = judge_lib.HTTPBackend(base_url=url, model=config.judge_model, max_tokens=config.judge_max_tokens,
+        backend = judge.HTTPBackend(base_url=url, model=config.judge_model, max_tokens=config.judge_max_tokens,
                                         timeout_s=config.judge_timeout)
         if (problem := backend.check()) is not None:
             raise SystemExit(f"judge endpoint unreachable: {problem}\nfix --judge URL, or train with --judge local or none")
         return backend
     if kind == "local" and config.judge_model:
-        return judge_lib.LocalBackend(*lora.load_model(config.judge_model, device=device),
+        return judge.LocalBackend(*lora.load_model(config.judge_model, device=device),
                                       max_tokens=config.judge_max_tokens)
     if kind == "local":   # the policy's base model, its LoRA switched off while it judges
-        return judge_lib.LocalBackend(model, tokenizer, max_tokens=config.judge_max_tokens,
+        return judge.LocalBackend(model, tokenizer, max_tokens=config.judge_max_tokens,
                                       adapter_off=lambda: lora.lora_disabled(model))
     return None
 
@@ -314,9 +313,9 @@ def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
     for group in groups:
         correct = [float(t.correct) for t in group.trajectories]
         if judge_backend is None:
-            result = judge_lib.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="no judge")
+            result = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="no judge")
         else:
-            result = judge_lib.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
+            result = judge.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
                                            cache_dir=cache_dir)
             judge_failed += not result.scored
         scores = result.scores if result.scored else [0.0] * len(correct)
@@ -338,7 +337,7 @@ def judge_agreement(groups, results):
     wrong rollouts, the mean share of (right, wrong) pairs it ranked the right way (judge.agreement),
     and how many groups that is. None where no group had both."""
     values = [a for group, r in zip(groups, results) if r.scored and
-              (a := judge_lib.agreement(r.scores, [t.correct for t in group.trajectories])) is not None]
+              (a := judge.agreement(r.scores, [t.correct for t in group.trajectories])) is not None]
     return {"judge_agreement": sum(values) / len(values) if values else None, "judge_agreement_groups": len(values)}
 
 
@@ -384,6 +383,7 @@ def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
         "zero_variance_groups": counts["zero_variance_groups"],
         "non_finite_trajectories": counts["non_finite_trajectories"],
         "submitted_groups": len(groups),
+        "kept_accuracy": sum(t.correct for t in trajectories) / len(trajectories),   # the groups trained on
         "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
         "tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(1, sum(t.num_tool_calls for t in trajectories)),
         **behaviour(trajectories),
@@ -405,8 +405,9 @@ def step_line(record, steps):
         judged += (f" | judge: {record['judge_failed_groups']} groups failed, {record['judge_rescaled_groups']} "
                    f"rescaled, {record['judge_corrections']} corrections")
     return (f"step {record['step']}/{steps} | mixed groups {record['mixed_candidates']}/{record['candidate_groups']}, "
-            f"{record['trainable_groups']} trained on | reward {record['reward_mean']:.2f} ± {record['reward_std']:.2f} | "
-            f"train accuracy {record['train_accuracy']:.2f} | {update}{judged} | {record['time_step']:.0f} s")
+            f"{record['trainable_groups']} trained on | kept groups: reward {record['reward_mean']:.2f} ± "
+            f"{record['reward_std']:.2f}, accuracy {record['kept_accuracy']:.2f} | every candidate: accuracy "
+            f"{record['train_accuracy']:.2f} | {update}{judged} | {record['time_step']:.0f} s")
 
 
 def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
@@ -464,8 +465,8 @@ def print_summary(config, metrics_path, final_dir):
 
 # ----------------------------------------------------------------------------- the run
 def eval_options(config) -> dict:
-    """evaluate's keyword arguments from the config: drafts, processes, the weights' precision."""
-    return dict(draft=DRAFT_TOKENS, processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.eval_dtype])
+    """evaluate's keyword arguments from the config: processes, the weights' precision."""
+    return dict(processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.eval_dtype])
 
 
 def eval_processes(config) -> int:
@@ -483,184 +484,219 @@ def run(config, score=score_groups):
         if parallel.world_size() > config.groups_per_step and not config.eval_only:
             raise SystemExit(f"--groups-per-step {config.groups_per_step}: each of the {parallel.world_size()} "
                              f"processes needs a group per step; raise it")
+        if parallel.world_size() > 1 and config.update != "grpo" and not config.eval_only:
+            raise SystemExit("under torchrun, --update grpo only (so far)")
         return run_process(config, device, score)
 
 
-def start_run(config, model, tokenizer, sft_tasks, limits, grpo_config, precision, evaluation):
-    """A fresh run: clear an earlier run's checkpoints in --out, write config.json, (--sft-steps)
-    warm start, then evaluate where RL starts (evaluation: run_process's). The base model alone:
-    `--eval-only` without --adapter."""
-    metrics_path = os.path.join(config.out, "metrics.jsonl")
-    if parallel.is_main():
-        if os.path.isdir(os.path.join(config.out, "checkpoints")):
-            print(f"{config.out} holds an earlier run: starting over there (use --resume to continue it instead)")
-            shutil.rmtree(os.path.join(config.out, "checkpoints"))
-        write_text_atomic(metrics_path, "")
-        write_text_atomic(os.path.join(config.out, "config.json"), json.dumps(asdict(config), indent=2))
-    if config.sft_steps:
-        warm_start(config, model, tokenizer, sft_tasks, limits, grpo_config, metrics_path, precision.use_grad_scaler)
-    phase = "sft" if config.sft_steps else "start"
-    record = evaluation(phase, step=0, phase=phase)
-    where = f"after {config.sft_steps} SFT steps" if config.sft_steps else (config.adapter or "base model")
-    print(f"eval step 0 ({where}):\n{format_evals(record, config.eval_splits)}")
+@dataclass
+class Run:
+    """What every phase of a run reads: the model and its optimizer, the data, the judge."""
+    model: object
+    tokenizer: object
+    optimizer: torch.optim.Optimizer
+    scaler: torch.amp.GradScaler
+    precision: lora.Precision
+    limits: agentrl.Limits
+    grpo_config: grpo.GRPOConfig
+    eval_sets: dict
+    sft_tasks: list = field(default_factory=list)        # the warm start's batches (sft_batches)
+    tasks_by_tier: dict = field(default_factory=dict)    # the tasks RL draws from
+    judge: object = None                                 # a judge backend, or None (make_judge)
+    rubric: str = ""
+    judge_cache: str | None = None
 
 
-def run_process(config, device, score):
-    """run's work in this process: setup, then resume or start, the loop, the end."""
-    # setup: seeds, the run folder, the model with its LoRA, the data, the judge, the update's config
+def setup(config, device) -> Run:
+    """Seeds, the run folder, the model with its LoRA, the data, the judge, the update's config."""
     torch.manual_seed(config.seed)
     random.seed(config.seed)
     if parallel.is_main():
         os.makedirs(os.path.join(config.out, "trajectories"), exist_ok=True)
-    metrics_path = os.path.join(config.out, "metrics.jsonl")
     print("config: " + " | ".join(f"{k}={v}" for k, v in asdict(config).items()))
-    world, rank = parallel.world_size(), parallel.rank()
-    if world > 1:
-        print(f"data parallel: {world} processes, each with its share of every step's groups")
+    if parallel.world_size() > 1:
+        print(f"data parallel: {parallel.world_size()} processes, each with its share of every step's groups")
     model, tokenizer = lora.load_model(config.model, device=device)
     device = next(model.parameters()).device
     # fp32 on CPU, bf16 on Ampere+, fp16 weights + fp32 LoRA + autocast + loss scaling on a T4
     precision = lora.precision_for(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
-    scaler = torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler)   # disabled: a pass-through
     print(f"device: {device} | {precision}")
     lora.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha)   # only the adapter's parameters train
     if config.adapter:
         lora.load_adapter(model, config.adapter)
-    optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=config.lr, weight_decay=0.0)
-    eval_sets = load_eval_sets(config.data, config.eval_splits, config.eval_size)
     limits = agentrl.Limits(config.max_turns, config.max_new_tokens, config.max_context)
-
-    def evaluation(label, **logged):   # every held-out split; with `step` (and `phase`), logged to metrics.jsonl
-        record = evaluate_splits(model, tokenizer, eval_sets, limits, config.out, label, **eval_options(config))
-        if logged:
-            append_jsonl(metrics_path, {**logged, **record})
-        return record
-    if config.eval_only:      # the record (per-task outcomes: pair it with another) and every episode stay in --out
-        record = evaluation("eval_only")
-        if parallel.is_main():
-            write_text_atomic(os.path.join(config.out, "eval_only.json"),
-                              json.dumps({"adapter": config.adapter, "data": config.data, **record}) + "\n")
-        print(f"eval on {config.data}:\n{format_evals(record, config.eval_splits)}\nrecord and episodes: {config.out}")
-        return record
+    run = Run(model, tokenizer, torch.optim.AdamW(lora.lora_parameters(model), lr=config.lr, weight_decay=0.0),
+              torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler),   # disabled: a pass-through
+              precision, limits, grpo.GRPOConfig(
+                  micro_batch_size=config.micro_batch_size, clip_low=config.clip_low, clip_high=config.clip_high,
+                  aggregation=config.loss, kl_coef=config.kl_coef, gradient_checkpointing=config.grad_checkpointing,
+                  amp_dtype=precision.amp_dtype,
+                  max_tokens=config.max_turns * config.max_new_tokens),   # Dr. GRPO's constant: the generation budget
+              load_eval_sets(config.data, config.eval_splits, config.eval_size))
+    if config.eval_only:
+        return run
     train_tasks = sql_env.load_tasks(config.data, config.train_split)
     if "val" in config.eval_splits:   # the validation slice is never trained on, by SFT or RL
         held_out = {task.id for task in sql_env.load_tasks(config.data, "val")}
         train_tasks = [task for task in train_tasks if task.id not in held_out]
-    sft_tasks = sft_batches(config, tokenizer, train_tasks, limits) if config.sft_steps else []
+    run.sft_tasks = sft_batches(config, tokenizer, train_tasks, limits) if config.sft_steps else []
     # RL draws from the tasks the warm start demonstrated, where there was one: each seen solved once,
     # the policy now solves some of them some of the time, so a group there is mixed far more often
     # than on a task it never saw (README, "What the default run prints"); else from the train split
-    rl_tasks = list({task.id: task for batch in sft_tasks for task in batch}.values()) or train_tasks
-    tasks_by_tier = {tier: [t for t in rl_tasks if t.difficulty == tier] for tier in {t.difficulty for t in rl_tasks}}
-    judge_backend = make_judge(config, model, tokenizer, device)
-    rubric = Path(config.rubric).read_text() if config.rubric else judge_lib.DEFAULT_RUBRIC
-    judge_cache = os.path.join(config.out, "judge_cache") if parallel.is_main() else None   # rank 0 writes
-    grpo_config = grpo.GRPOConfig(
-        micro_batch_size=config.micro_batch_size, clip_low=config.clip_low, clip_high=config.clip_high,
-        aggregation=config.loss, kl_coef=config.kl_coef, gradient_checkpointing=config.grad_checkpointing,
-        amp_dtype=precision.amp_dtype, epochs=config.epochs,
-        max_tokens=config.max_turns * config.max_new_tokens)   # Dr. GRPO's constant: the generation budget
-    if world > 1 and (config.update != "grpo" or config.epochs > 1):
-        raise SystemExit("under torchrun, --update grpo with --epochs 1 only (so far)")
+    rl_tasks = list({task.id: task for batch in run.sft_tasks for task in batch}.values()) or train_tasks
+    run.tasks_by_tier = {tier: [t for t in rl_tasks if t.difficulty == tier] for tier in {t.difficulty for t in rl_tasks}}
+    run.judge = make_judge(config, model, tokenizer, device)
+    run.rubric = Path(config.rubric).read_text() if config.rubric else judge.DEFAULT_RUBRIC
+    run.judge_cache = os.path.join(config.out, "judge_cache") if parallel.is_main() else None   # rank 0 writes
+    return run
 
-    # resume, or start (evaluate, warm start, checkpoint step 0); under torchrun every process then
-    # takes rank 0's adapter, optimizer and sampler state. --out/start: the adapter RL starts from,
-    # the KL term's reference (--kl-coef)
+
+def evaluation(config, run, label, **logged):
+    """Every held-out split; with `step` (and `phase`), logged to metrics.jsonl."""
+    record = evaluate_splits(run.model, run.tokenizer, run.eval_sets, run.limits, config.out, label, **eval_options(config))
+    if logged:
+        append_jsonl(os.path.join(config.out, "metrics.jsonl"), {**logged, **record})
+    return record
+
+
+def eval_only(config, run):
+    """--eval-only: the record (per-task outcomes: pair it with another) and every episode stay in --out."""
+    record = evaluation(config, run, "eval_only")
+    if parallel.is_main():
+        write_text_atomic(os.path.join(config.out, "eval_only.json"),
+                          json.dumps({"adapter": config.adapter, "data": config.data, **record}) + "\n")
+    print(f"eval on {config.data}:\n{format_evals(record, config.eval_splits)}\nrecord and episodes: {config.out}")
+    return record
+
+
+def start_or_resume(config, run):
+    """Resume from --out's last checkpoint, or start afresh: clear an earlier run's checkpoints, write
+    config.json, (--sft-steps) warm start, evaluate where RL starts and checkpoint step 0. Under
+    torchrun every process then takes rank 0's adapter, optimizer and sampler state. Returns
+    (the step to go on from, the sampler's task stats, the KL reference's LoRA weights or None):
+    --out/start holds the adapter RL starts from."""
+    metrics_path, start_folder = os.path.join(config.out, "metrics.jsonl"), os.path.join(config.out, "start")
     start_step, task_stats, start_state = 0, {"tiers": {}, "tasks": {}}, None
-    start_folder = os.path.join(config.out, "start")
     if config.resume and parallel.is_main():
-        start_step, task_stats, folder = checkpoint.load(config.out, model, optimizer, scaler)
+        start_step, task_stats, folder = checkpoint.load(config.out, run.model, run.optimizer, run.scaler)
         checkpoint.truncate_metrics(metrics_path, start_step)
-        start_state = lora.lora_state(model, start_folder) if config.kl_coef > 0 else None
+        start_state = lora.lora_state(run.model, start_folder) if config.kl_coef > 0 else None
         print(f"resumed from {folder} at step {start_step}")
     elif not config.resume:
-        start_run(config, model, tokenizer, sft_tasks, limits, grpo_config, precision, evaluation)
         if parallel.is_main():
-            checkpoint.save(config.out, model, optimizer, scaler, 0, task_stats)
-            lora.save_adapter(model, start_folder)
-        start_state = lora.lora_state(model) if config.kl_coef > 0 else None
-    start_step, task_stats, start_state = parallel.share_state(model, optimizer, scaler, (start_step, task_stats, start_state))
-    if start_state:     # through share_state on the CPU: back onto this process's device
-        start_state = [t.to(device) for t in start_state]
+            if os.path.isdir(os.path.join(config.out, "checkpoints")):
+                print(f"{config.out} holds an earlier run: starting over there (use --resume to continue it instead)")
+                shutil.rmtree(os.path.join(config.out, "checkpoints"))
+            write_text_atomic(metrics_path, "")
+            write_text_atomic(os.path.join(config.out, "config.json"), json.dumps(asdict(config), indent=2))
+        if config.sft_steps:
+            warm_start(config, run.model, run.tokenizer, run.sft_tasks, run.limits, run.grpo_config, metrics_path,
+                       run.precision.use_grad_scaler)
+        phase = "sft" if config.sft_steps else "start"
+        record = evaluation(config, run, phase, step=0, phase=phase)
+        where = f"after {config.sft_steps} SFT steps" if config.sft_steps else (config.adapter or "base model")
+        print(f"eval step 0 ({where}):\n{format_evals(record, config.eval_splits)}")
+        if parallel.is_main():
+            checkpoint.save(config.out, run.model, run.optimizer, run.scaler, 0, task_stats)
+            lora.save_adapter(run.model, start_folder)
+        start_state = lora.lora_state(run.model) if config.kl_coef > 0 else None
+    start_step, task_stats, start_state = parallel.share_state(run.model, run.optimizer, run.scaler,
+                                                               (start_step, task_stats, start_state))
+    device = next(run.model.parameters()).device    # through share_state on the CPU: back onto this device
+    return start_step, task_stats, [t.to(device) for t in start_state] if start_state else None
 
+
+def train_step(config, run, step, task_stats, start_state, score):
+    """Steps 1) to 5) of the loop (the module docstring); returns the step's record and what
+    write_trajectories logs: (record, groups, rewards, judge results, {id(trajectory): advantage})."""
+    t0, world, rank = time.time(), parallel.world_size(), parallel.rank()
+    step_seed = config.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
+    # 1) tasks: CANDIDATES per group to train on, the same draw on every process; each rolls out its share
+    draw = sample_tasks(run.tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step, random.Random(step_seed))
+    candidates = parallel.shard(draw)
+
+    # 2) rollouts, seeded by step and process (in one process, by the step's seed); the groups kept
+    #    are the mixed ones first, up to this process's share of --groups-per-step
+    sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank)
+    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, config.group_size, sampling, run.limits,
+                                    max_rows=config.groups_per_step * config.group_size)   # the kept groups' memory
+    groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
+    t_rollout = time.time() - t0
+    pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled]) for task, rate in share]
+
+    # 3) reward = judge score + bonus * correct (score_groups, or the `score` run was given)
+    rewards, results, judge_failed = score(groups, run.judge, run.rubric, config.bonus, run.judge_cache)
+    t_judge = time.time() - t0 - t_rollout
+
+    # 4) advantages within each group, attached to the group's trajectories
+    batch, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=not config.no_std_scaling)
+
+    # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
+    #    whole step's tokens and the gradients are summed over the processes (parallel.py)
+    reference = lora.lora_weights(run.model, start_state) if config.kl_coef > 0 else None  # the KL reference
+    if config.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
+        correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
+        stats = (grpo.sft_step(run.model, run.optimizer, correct, run.grpo_config, run.scaler) if correct
+                 else {"skipped": True, "skip_reason": "no correct rollout"})
+    elif world > 1:
+        stats = parallel.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler, reference)
+    elif batch:
+        stats = grpo.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler, reference_context=reference)
+    else:
+        stats = {"skipped": True, "skip_reason": "no trainable group"}
+    trained = {id(t): a for g, advs in batch for t, a in zip(g.trajectories, advs)} if config.update == "grpo" else {}
+    times = {"time_rollout": t_rollout, "time_judge": t_judge}
+    groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(
+        groups, rewards, results, counts, stats, judge_failed, times)   # every process's, as one process's
+    frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
+    update_task_stats(task_stats, pass_rates)
+    record = step_record(step, groups, rewards, counts, stats, pass_rates, judge_failed_groups=judge_failed,
+                         **judge_counters(results), **judge_agreement(groups, results),
+                         frontier_tasks=frontier_before, **times, time_step=time.time() - t0)
+    return record, groups, rewards, results, trained
+
+
+def run_process(config, device, score):
+    """run's work in this process: setup, start or resume, the loop, the end."""
+    run = setup(config, device)
+    if config.eval_only:
+        return eval_only(config, run)
+    start_step, task_stats, start_state = start_or_resume(config, run)
+    metrics_path = os.path.join(config.out, "metrics.jsonl")
+    records = [r for r in read_jsonl(metrics_path, skip_unreadable=True)[0] if "reward_mean" in r] if parallel.is_main() else []
     bar = tqdm(range(start_step + 1, config.steps + 1), initial=start_step, total=config.steps, desc="train",
                dynamic_ncols=True, disable=not parallel.is_main())
-    step_records = [r for r in read_jsonl(metrics_path, skip_unreadable=True)[0] if "reward_mean" in r] if parallel.is_main() else []
     warned = False   # judge_noise_warning, once a run
     for step in bar:
-        t0 = time.time()
-        step_seed = config.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
-        # 1) tasks: CANDIDATES per group to train on, the same draw on every process; each rolls out its share
-        draw = sample_tasks(tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step, random.Random(step_seed))
-        candidates = parallel.shard(draw)
-
-        # 2) rollouts, seeded by step and process (in one process, by the step's seed); the groups kept
-        #    are the mixed ones first, up to this process's share of --groups-per-step
-        sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank, draft=DRAFT_TOKENS)
-        rolled = agentrl.rollout_groups(model, tokenizer, candidates, config.group_size, sampling, limits,
-                                        max_rows=config.groups_per_step * config.group_size)   # the kept groups' memory
-        groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
-        t_rollout = time.time() - t0
-        pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled]) for task, rate in share]
-
-        # 3) reward = judge score + bonus * correct (score_groups, or the `score` run was given)
-        rewards, results, judge_failed = score(groups, judge_backend, rubric, config.bonus, judge_cache)
-        t_judge = time.time() - t0 - t_rollout
-
-        # 4) advantages within each group, flattened into the update's batch
-        batch, advantages, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=not config.no_std_scaling)
-
-        # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
-        #    whole step's tokens and the gradients are summed over the processes (parallel.py)
-        reference = lora.lora_weights(model, start_state) if config.kl_coef > 0 else None  # the KL reference
-        if config.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
-            correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
-            stats = (grpo.rft_update(model, optimizer, correct, grpo_config, scaler, seed=step_seed) if correct
-                     else {"skipped": True, "skip_reason": "no correct rollout"})
-        elif world > 1:
-            stats = parallel.grpo_step(model, optimizer, batch, advantages, grpo_config, scaler, reference)
-        elif batch:
-            stats = grpo.grpo_update(model, optimizer, batch, advantages, grpo_config, scaler,
-                                     reference_context=reference, seed=step_seed)
-        else:
-            stats = {"skipped": True, "skip_reason": "no trainable group"}
-        trained = {id(t): a for t, a in zip(batch, advantages)} if config.update == "grpo" else {}  # (rft uses none)
-        times = {"time_rollout": t_rollout, "time_judge": t_judge}
-        groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(
-            groups, rewards, results, counts, stats, judge_failed, times)   # every process's, as one process's
-        frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
-        update_task_stats(task_stats, pass_rates)
+        # 1) tasks, 2) rollouts, 3) reward, 4) advantages, 5) update
+        record, groups, rewards, results, trained = train_step(config, run, step, task_stats, start_state, score)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
-        record = step_record(step, groups, rewards, counts, stats, pass_rates, judge_failed_groups=judge_failed,
-                             **judge_counters(results), **judge_agreement(groups, results),
-                             frontier_tasks=frontier_before, **times, time_step=time.time() - t0)
         append_jsonl(metrics_path, record)
         write_trajectories(config.out, step, groups, rewards, results, trained)
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}", s=f"{record['time_step']:.0f}")
         tqdm.write(step_line(record, config.steps))
-        step_records.append(record)
-        if not warned and (warning := judge_noise_warning(step_records)):
+        records.append(record)
+        if not warned and (warning := judge_noise_warning(records)):
             tqdm.write(warning)
             warned = True
 
         # 7) evaluate and checkpoint
         if config.eval_every and step % config.eval_every == 0 and step != config.steps:
-            record = evaluation(f"step_{step:04d}", step=step)
-            tqdm.write(f"eval step {step}:\n{format_evals(record, config.eval_splits)}")
+            tqdm.write(f"eval step {step}:\n{format_evals(evaluation(config, run, f'step_{step:04d}', step=step), config.eval_splits)}")
         if parallel.is_main():      # checkpoint, plot and page: rank 0 writes every file of the run folder
-            checkpoint.save(config.out, model, optimizer, scaler, step, task_stats)
+            checkpoint.save(config.out, run.model, run.optimizer, run.scaler, step, task_stats)
             report.write_plot(config.out, read_jsonl(metrics_path))
             report.write_report(config.out)
     bar.close()
 
     # the end: final evaluation (unless no GRPO step ran since the last one), the adapter, a summary
     if start_step < config.steps:
-        evaluation(f"step_{config.steps:04d}", step=config.steps)
+        evaluation(config, run, f"step_{config.steps:04d}", step=config.steps)
     if not parallel.is_main():   # rank 0 saves the adapter and reports
         return None
     final_dir = os.path.join(config.out, "final")
-    lora.save_adapter(model, final_dir)
+    lora.save_adapter(run.model, final_dir)
     report.write_plot(config.out, read_jsonl(metrics_path))
     report.write_report(config.out)
     return print_summary(config, metrics_path, final_dir)

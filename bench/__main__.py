@@ -6,8 +6,8 @@
     python -m bench judge-server   # the --judge http path against llama.cpp's server (if installed)
     python -m bench memory         # peak memory of one GRPO update: chunked vs unchunked log-probs
     python -m bench memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (bench/fit3b.py)
-    python -m bench update         # one SFT step: lm_head at trained positions, one sequence at a time, the prompt once
-    python -m bench eval --adapter runs/default   # greedy evaluation: batching, drafts, 2 processes, bf16; the floor
+    python -m bench update         # one GRPO step on a group: each trajectory alone vs its tree in one forward
+    python -m bench eval --adapter runs/default   # greedy evaluation: batching, 2 processes, bf16; the floor
     python -m bench learn          # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
     python -m bench sweep          # the RL lr and the LoRA rank, chosen on a validation slice of train
     python -m bench pair runs/sft runs/grpo_s0 [runs/grpo_s1]   # evaluations task by task: the difference, its interval
@@ -29,14 +29,15 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "judge": ("judge", "bench_judge", "judge prompt tokens per group: naive vs RULER-style vs trie"),
     "judge-server": ("judge", "bench_judge_server", "the --judge http path against llama.cpp's server (if installed)"),
     "memory": ("update", "bench_memory", "peak memory of one GRPO update: chunked vs unchunked log-probs"),
-    "update": ("update", "bench_update", "one SFT step, six ways: where the lm_head runs, micro-batch, prompt once"),
-    "eval": ("engine", "bench_eval", "greedy evaluation of a held-out split: batching, drafts, processes, bf16"),
+    "update": ("update", "bench_update", "one GRPO step on a group: each trajectory alone vs the tree once; checkpointing"),
+    "eval": ("engine", "bench_eval", "greedy evaluation of a held-out split: batching, processes, bf16"),
     "learn": ("learn", "bench_learn", "held-out accuracy, paired: an SFT start, then GRPO, RFT and more SFT"),
     "sweep": ("learn", "bench_sweep", "the RL lr and the LoRA rank, chosen on a validation slice of train"),
     "pair": ("learn", "bench_pair", "evaluations compared task by task: the difference and its interval"),
     "scale": ("update", "bench_scale", "train.py steps per minute: 1 process vs 2 (torchrun)"),
     "allocator": ("update", "bench_allocator", "a short run's peak memory, phase times: activations kept vs recomputed"),
     "gpu": ("fit3b", "bench_gpu", "the GPU check: the 3B shape under a T4's memory, then real training steps"),
+    "reading": ("reading", "bench_reading", "the lines one GRPO step reads, helpers included: README's table"),
     "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
 }
 TRAIN_FLAGS = {"learn", "sweep", "scale", "allocator", "train-run"}   # these pass unknown flags on to train.py
@@ -59,12 +60,11 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
     ("--pass-k", "learn", dict(type=int, default=8, help="samples per task for pass@k")),
     ("--sweep-lrs", "sweep", dict(default="1e-4,3e-4,1e-3", help="the RL learning rates, comma-separated")),
     ("--sweep-ranks", "sweep", dict(default="4,16", help="the LoRA ranks, comma-separated")),
-    ("--draft", "rollout eval", dict(type=int, default=None, help="draft tokens a row checks per forward in the "
-                                                                   "drafted variants (default: train.py's)")),
     ("--variants", "update eval scale", dict(default=None, help="a comma-separated subset of the variants (default: all)")),
     ("--trained-groups", "scale train-run",
      dict(type=int, default=0, help="groups of a step (each process's) the scripted rewards train (0: all)")),
     ("--seed", PUBLIC, dict(type=int, default=0, help="random seed")),
+    ("--by-def", "reading", dict(action="store_true", help="every definition reached, with its lines")),
     ("--child", "memory update eval", dict(default=None, help=argparse.SUPPRESS)),   # a fresh process: this variant only
 ]
 
@@ -90,9 +90,6 @@ def main(argv=None):
     if train_flags and args.command not in TRAIN_FLAGS:
         subparsers[args.command].error(f"unrecognized arguments: {' '.join(train_flags)}")
     args.train_flags = train_flags
-    if getattr(args, "draft", 0) is None:
-        import train
-        args.draft = train.DRAFT_TOKENS
     module, function, _ = COMMANDS[args.command]
     if args.command == "memory" and args.shape == "qwen2.5-3b":   # the 3B fit on a T4: a question of its own
         module, function = "fit3b", "bench_memory_3b"

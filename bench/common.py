@@ -14,6 +14,8 @@ from types import SimpleNamespace
 
 import torch
 
+import agentrl
+import kvcache
 from files import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: the core modules and bench/
@@ -74,11 +76,13 @@ def fastest(run, trials=5) -> float:
 def random_batch(vocab, n, length, prompt, seed):
     """An update's batch: n trajectories of `length` random tokens, the last length - prompt
     trained, and advantages alternating -1, +1; the memory and speed of an update do not depend
-    on the values. Returns (trajectories, advantages)."""
+    on the values. Returns (trajectories, advantages); agentrl.make_group(None, trajectories) makes
+    them a group (each one node: no turns recorded, nothing shared), grpo_step's batch with the advantages."""
     g = torch.Generator().manual_seed(seed)
     trajectories = [SimpleNamespace(token_ids=torch.randint(0, vocab, (length,), generator=g).tolist(),
                                     assistant_mask=[0] * prompt + [1] * (length - prompt),
-                                    sampled_logprobs=[0.0] * prompt + [-math.log(vocab)] * (length - prompt))
+                                    sampled_logprobs=[0.0] * prompt + [-math.log(vocab)] * (length - prompt),
+                                    turns=[], messages=[], stop_reason="max_context")
                     for _ in range(n)]
     return trajectories, [1.0 if i % 2 else -1.0 for i in range(n)]
 
@@ -95,3 +99,54 @@ def mean_or_nan(values):
 def record_mean(key, records):
     """The mean of a metric over step records, over those that logged it as a number (nan if none)."""
     return mean_or_nan([r[key] for r in records if isinstance(r.get(key), (int, float))])
+
+
+# ---------------------------------------------------------------- counting the engine's forwards
+class CountingForward(kvcache.CachedForward):
+    """The rollout engine's forward, counted and timed from outside the decode path: every call,
+    and the flushes alone (a forward that feeds some row more than one token: a prompt, a tool
+    result) under flush_*. counters: forwards, fed_tokens (real), fed_columns (holes included),
+    logit_rows, cache_columns (KV columns read, holes included), query_key_pairs; forward_s."""
+
+    def __init__(self, model, dtype=None):
+        super().__init__(model, dtype)
+        self.device = model.device
+        self.stats = dict.fromkeys(["forwards", "fed_tokens", "fed_columns", "logit_rows", "cache_columns",
+                                    "query_key_pairs", "forward_s"], 0)
+        self.stats.update({"flush_" + k: 0 for k in list(self.stats)})
+
+    def __call__(self, ids, mask, cache):
+        t0 = time.perf_counter()
+        logits = super().__call__(ids, mask, cache)
+        if self.device.type == "cuda":
+            torch.cuda.synchronize()
+        W = ids.shape[1]
+        counts = dict(forwards=1, fed_tokens=int(mask[:, -W:].sum()), fed_columns=ids.numel(), logit_rows=len(ids),
+                      cache_columns=mask.numel(), query_key_pairs=ids.numel() * mask.shape[1],
+                      forward_s=time.perf_counter() - t0)
+        for key, count in counts.items():
+            self.stats[key] += count
+            if W > 1:
+                self.stats["flush_" + key] += count
+        return logits
+
+
+def counted_rollout(*args, **kwargs):
+    """agentrl.rollout_groups(*args, **kwargs) with its forwards counted (CountingForward): returns
+    (groups, stats), stats with the counters, total_s, prompt_tokens (the flushes' real tokens) and
+    generated_tokens (sampled)."""
+    made = []
+
+    def counting(model, dtype=None):
+        made.append(CountingForward(model, dtype))
+        return made[-1]
+    original, agentrl.CachedForward = agentrl.CachedForward, counting
+    try:
+        t0 = time.perf_counter()
+        groups = agentrl.rollout_groups(*args, **kwargs)
+        total_s = time.perf_counter() - t0
+    finally:
+        agentrl.CachedForward = original
+    stats = {k: sum(f.stats[k] for f in made) for k in made[0].stats} if made else {}
+    return groups, {**stats, "total_s": total_s, "prompt_tokens": stats.get("flush_fed_tokens", 0),
+                    "generated_tokens": sum(sum(t.assistant_mask) for g in groups for t in g.trajectories)}

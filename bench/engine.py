@@ -1,21 +1,20 @@
 """The rollout engine's speed (agentrl.py, kvcache.py): sampling, the KV cache, greedy evaluation.
 
-    python -m bench rollout [--adapter DIR] [--draft K]   # our engine vs generate() per turn; the floor
+    python -m bench rollout [--adapter DIR]               # our engine vs generate() per turn; the floor
     python -m bench cache                                 # one decode step: our KVCache vs DynamicCache
     python -m bench eval --adapter runs/default [--split test] [--tasks N] [--variants a,b]
 
 rollout: the same groups through our engine (each prompt once, the KV cache kept across turns,
-every row in one batch), with drafts, and with every row fed at the flushes, against the loop that
-re-renders the conversation and calls model.generate per turn and per trajectory; then the floor
-of the forwards' work at this machine's measured rates. cache: kvcache.KVCache against
-transformers' DynamicCache, fp32 against bf16 keys and values. eval: train.py's greedy
-evaluation, the earlier batching against continuous batching, drafts, two forked processes, bf16
-weights; each variant in a fresh process, the first the baseline.
+every row in one batch) against the loop that re-renders the conversation and calls
+model.generate per turn and per trajectory; then the floor of the forwards' work at this machine's
+measured rates. The engine's forwards are counted from outside (bench.common.counted_rollout).
+cache: kvcache.KVCache against transformers' DynamicCache, fp32 against bf16 keys and values.
+eval: train.py's greedy evaluation, the earlier batching against continuous batching, two forked
+processes, bf16 weights; each variant in a fresh process, the first the baseline.
 """
 import json
 import statistics
 import time
-from dataclasses import replace
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -27,7 +26,7 @@ import lora
 import parallel
 import sql_env
 import train
-from bench.common import chosen_variants, fastest, in_fresh_process, resident_bytes
+from bench.common import chosen_variants, counted_rollout, fastest, in_fresh_process, resident_bytes
 
 
 # ---------------------------------------------------------------- rollout (agentrl.py)
@@ -36,11 +35,9 @@ def bench_rollout(args):
     encoded once, KV cache kept across turns, all rows decoded in one batch) against the
     straightforward loop that re-renders the conversation and calls model.generate per turn and
     per trajectory. Sampled text differs between the two, so tokens per second is the figure. Our
-    engine runs twice, one token a forward and with --draft prompt-lookup drafts (Sampling.draft),
-    and a third time with drafts and every row fed at the flushes, where the default feeds the rows
-    that agree so far once (rollout_groups' share_histories). Then the floor of the forwards' work at
-    this machine's rates, what keeps the weight matmuls above it (weight_stream_rates), and where the
-    forwards' time goes (the same rollout under the profiler)."""
+    engine's forwards are counted and timed from outside (bench.common.counted_rollout). Then the
+    floor of the forwards' work at this machine's rates, what keeps the weight matmuls above it
+    (weight_stream_rates), and where the forwards' time goes (the same rollout under the profiler)."""
     n, num_tasks = 8, 2
     sampling = agentrl.Sampling(temperature=0.7, seed=args.seed)
     limits = agentrl.Limits(max_turns=3, max_new_tokens=96, max_context=2048)
@@ -50,27 +47,11 @@ def bench_rollout(args):
     tasks = sql_env.load_tasks()[::250][:num_tasks]
 
     # ours: one call, G*N rows
-    stats = {}
-    t0 = time.perf_counter()
-    groups = agentrl.rollout_groups(model, tokenizer, tasks, n, sampling, limits, stats=stats)
-    ours_s = time.perf_counter() - t0
+    groups, stats = counted_rollout(model, tokenizer, tasks, n, sampling, limits)
+    ours_s = stats["total_s"]
     ours_gen = stats["generated_tokens"]
-    ours_prompt = stats["flush_fed_tokens"]    # prompts, tool results and each going-on turn's last token, as fed
+    ours_prompt = stats["prompt_tokens"]    # prompts, tool results and each going-on turn's last token, as fed
     turns = [t.num_turns for g in groups for t in g.trajectories]
-
-    # ours with drafts: each row also feeds --draft tokens guessed from its context, checked in the same forward
-    draft_stats = {}
-    t0 = time.perf_counter()
-    drafted = agentrl.rollout_groups(model, tokenizer, tasks, n, replace(sampling, draft=args.draft), limits, stats=draft_stats)
-    draft_s = time.perf_counter() - t0
-    draft_turns = [t.num_turns for g in drafted for t in g.trajectories]
-
-    # the same with every row fed at the flushes (the same tokens: the same seed)
-    unshared_stats = {}
-    t0 = time.perf_counter()
-    agentrl.rollout_groups(model, tokenizer, tasks, n, replace(sampling, draft=args.draft), limits, stats=unshared_stats,
-                           share_histories=False)
-    unshared_s = time.perf_counter() - t0
 
     # baseline: per trajectory, per turn: render the whole conversation, tokenize, generate()
     torch.manual_seed(args.seed)
@@ -110,20 +91,11 @@ def bench_rollout(args):
           f"{limits.max_new_tokens} tokens, T={sampling.temperature}, {model.device} {model.dtype}, "
           f"{torch.get_num_threads()} threads")
     print(f"{'':28}{'wall s':>9}{'generated':>11}{'gen tok/s':>11}{'prompt tok computed':>21}{'turns':>7}")
-    draft_gen, draft_prompt = draft_stats["generated_tokens"], draft_stats["flush_fed_tokens"]
     for name, secs, gen, prompt, t in [("baseline (generate per turn)", base_s, base_gen, base_prompt, base_turns),
-                                       ("ours (shared prompt, KV kept)", ours_s, ours_gen, ours_prompt, turns),
-                                       (f"ours, {args.draft} drafts a row", draft_s, draft_gen, draft_prompt, draft_turns)]:
+                                       ("ours (shared prompt, KV kept)", ours_s, ours_gen, ours_prompt, turns)]:
         print(f"{name:28}{secs:9.1f}{gen:11d}{gen / secs:11.1f}{prompt:21d}{sum(t) / len(t):7.2f}")
     print(f"ratio: {(ours_gen / ours_s) / (base_gen / base_s):.2f}x generated tokens/s, "
-          f"{base_prompt / max(ours_prompt, 1):.1f}x fewer prompt tokens computed; with drafts "
-          f"{(draft_gen / draft_s) / (base_gen / base_s):.2f}x ({(draft_gen / draft_s) / (ours_gen / ours_s):.2f}x ours "
-          f"without): {draft_stats['forwards']} forwards against {stats['forwards']}, "
-          f"{draft_stats['accepted_drafts']} of {draft_stats['drafted_tokens']} drafts taken")
-    print(f"rows that agree so far fed once at the flushes (the default): {unshared_s / draft_s:.2f}x faster than every "
-          f"row fed ({draft_s:.1f} s against {unshared_s:.1f} s, drafts in both); the flushes fed "
-          f"{draft_stats['flush_fed_tokens']} tokens against {unshared_stats['flush_fed_tokens']}, in "
-          f"{draft_stats['flush_forward_s']:.1f} s against {unshared_stats['flush_forward_s']:.1f} s")
+          f"{base_prompt / max(ours_prompt, 1):.1f}x fewer prompt tokens computed")
     print(f"ours: {stats['forwards']} forwards, {stats['fed_columns']} token slots fed of which "
           f"{stats['fed_tokens']} real; time outside forward passes "
           f"{100 * (1 - stats['forward_s'] / stats['total_s']):.1f}% of the rollout")
@@ -141,7 +113,7 @@ def bench_rollout(args):
 
     # what stands between: the same rollout again (same seed, so the same tokens) under the profiler
     profiled = {}
-    parts = profiled_seconds(lambda: agentrl.rollout_groups(model, tokenizer, tasks, n, sampling, limits, stats=profiled),
+    parts = profiled_seconds(lambda: profiled.update(counted_rollout(model, tokenizer, tasks, n, sampling, limits)[1]),
                              {"weight matmuls": "aten::linear", "attention": "aten::scaled_dot_product_attention"})
     parts["the rest"] = profiled["forward_s"] - sum(parts.values())
     print(f"where the forwards' time goes: the same rollout under torch.profiler, {profiled['forward_s']:.1f} s in "
@@ -163,10 +135,10 @@ def profiled_seconds(run, ops) -> dict:
 
 
 def forward_work(model, stats, prefix="") -> dict:
-    """What the rollout's forward passes had to do, from the engine's counters (`stats`, or its
-    flush_* part with prefix="flush_"): bytes read and FLOPs, for the weight matmuls and attention.
-    Weight matmuls read the weights once per forward and do 2 FLOPs per weight per fed token (the
-    lm_head once per row and draft); attention reads every KV column each forward attends (holes
+    """What the rollout's forward passes had to do, from their counters (bench.common.CountingForward's
+    `stats`, or its flush_* part with prefix="flush_"): bytes read and FLOPs, for the weight matmuls and
+    attention. Weight matmuls read the weights once per forward and do 2 FLOPs per weight per fed token
+    (the lm_head once per row); attention reads every KV column each forward attends (holes
     too) and does 4 * layers * heads * head_dim FLOPs per query-key pair. Totals over the rollout, so
     a little under the sum of per-step floors. Additive: the work of two processes is the sum."""
     c = model.config
@@ -292,41 +264,40 @@ def bench_kv_dtype(config, B, g, repeats=5):
 
 
 # ---------------------------------------------------------------- eval (train.py's evaluation)
-# name: (how tasks are batched, rows at a time, drafts (--draft) or not, the attention: None is
-# lora.ATTENTION, what train.py runs; "sdpa" is transformers' own, which repeats keys and values for
-# drafts; processes: forked, one thread each, each with a contiguous share of the tasks and its own
-# 16 rows, as train.py --eval-processes runs them; the weights' precision, Sampling.weight_dtype: None
-# is fp32, bfloat16 is train.py --eval-dtype bf16)
-EVAL_VARIANTS = {"batches-32": ("batches", 32, False, None, 1, None), "continuous-32": ("continuous", 32, False, None, 1, None),
-                 "continuous-16": ("continuous", 16, False, None, 1, None), "drafts-16": ("continuous", 16, True, None, 1, None),
-                 "drafts-16-repeat-kv": ("continuous", 16, True, "sdpa", 1, None),
-                 "drafts-16-2-processes": ("continuous", 16, True, None, 2, None),
-                 "drafts-16-bf16": ("continuous", 16, True, None, 1, torch.bfloat16),
-                 "drafts-16-2-processes-bf16": ("continuous", 16, True, None, 2, torch.bfloat16)}
+# name: (how tasks are batched, rows at a time, the attention: None is lora.ATTENTION, what
+# train.py runs; "sdpa" is transformers' own, which repeats keys and values for every query head;
+# processes: forked, one thread each, each with a contiguous share of the tasks and its own 16
+# rows, as train.py --eval-processes runs them; the weights' precision, Sampling.weight_dtype:
+# None is fp32, bfloat16 is train.py --eval-dtype bf16)
+EVAL_VARIANTS = {"batches-32": ("batches", 32, None, 1, None), "continuous-32": ("continuous", 32, None, 1, None),
+                 "continuous-16": ("continuous", 16, None, 1, None),
+                 "continuous-16-repeat-kv": ("continuous", 16, "sdpa", 1, None),
+                 "continuous-16-2-processes": ("continuous", 16, None, 2, None),
+                 "continuous-16-bf16": ("continuous", 16, None, 1, torch.bfloat16),
+                 "continuous-16-2-processes-bf16": ("continuous", 16, None, 2, torch.bfloat16)}
 
 
 def bench_eval(args):
     """The greedy evaluation of a held-out split (all of it by default), as train.py runs it, with
     train.py's default limits: the earlier way, batches of 32 tasks each waiting for its slowest
     episode, against one engine call where a finished episode's place is taken by the next task
-    (continuous batching), with 32 and with 16 rows at a time; with 16, and --draft tokens a row
-    guessed and checked in each forward (Sampling.draft), with our attention and with transformers'
-    (which copies keys and values per query head for several query tokens), and in two processes of
-    one thread each (train.py --eval-processes 2); those two again with the merged layers and the
-    lm_head in bf16 (train.py --eval-dtype bf16). "same outcome" counts the tasks each variant gets
+    (continuous batching), with 32 and with 16 rows at a time; with 16, with transformers' attention
+    in place of ours (it copies keys and values per query head), and in two processes of one thread
+    each (train.py --eval-processes 2); 16 rows in one process and in two again with the merged
+    layers and the lm_head in bf16 (train.py --eval-dtype bf16). "same outcome" counts the tasks each variant gets
     right or wrong as the first does, "same episode" those where it wrote every token the same: a
     near-tie of logits decided the other way (bf16 rounding) changes the second, and maybe the first.
     Each variant in a fresh process (eval_variant), with glibc's malloc as train.py runs it. Then
     where the time goes: each variant's time against the floor of its forwards' work (the rollout
     benchmark's floor, this machine's rates measured after the variants ran), and the flushes'
     forwards (prompts and tool messages, many tokens a row) apart from the decode forwards (a token
-    and its drafts a row). A bf16 variant is held to the same floor as the others, fp32's work at
+    a row); the forwards are counted from outside the engine (bench.common.counted_rollout). A bf16 variant is held to the same floor as the others, fp32's work at
     fp32 rates.
     """
     if args.child:
         print(json.dumps(eval_variant(args, args.child)))
         return
-    argv = ["eval", "--split", args.split, "--tasks", str(args.tasks), "--draft", str(args.draft),
+    argv = ["eval", "--split", args.split, "--tasks", str(args.tasks),
             *(["--adapter", args.adapter] if args.adapter else [])]
     results = {v: in_fresh_process(argv, v, hand_back_memory=False) for v in chosen_variants(args, EVAL_VARIANTS)}
     base = next(iter(results.values()))   # the first variant measured is the baseline
@@ -334,19 +305,18 @@ def bench_eval(args):
           f"{base['limits']} | {base['device']}")
     width = max(map(len, results)) + 2
     print(f"{'variant':<{width}}{'time':>9}{'tasks/min':>11}{'vs first':>12}{'rows/forward':>14}{'forwards':>10}"
-          f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'same episode':>14}{'drafts taken':>14}")
+          f"{'peak memory':>13}{'accuracy':>10}{'same outcome':>14}{'same episode':>14}")
     for v, r in results.items():
         same = sum(a == b for a, b in zip(r["outcomes"], base["outcomes"]))
         same_episodes = sum(a == b for a, b in zip(r["episodes"], base["episodes"]))   # every token the same
         print(f"{v:<{width}}{r['seconds']:>8.0f}s{60 * r['tasks'] / r['seconds']:>11.1f}{base['seconds'] / r['seconds']:>11.2f}x"
               f"{r['logit_rows'] / r['forwards']:>14.1f}{r['forwards']:>10}{r['peak_gib']:>9.2f} GiB"
-              f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}{same_episodes:>9}/{r['tasks']}"
-              f"{r['accepted_drafts']:>7}/{r['drafted_tokens']}")
+              f"{r['outcomes'].count('1') / r['tasks']:>10.3f}{same:>9}/{r['tasks']}{same_episodes:>9}/{r['tasks']}")
     bandwidth, flops = machine_rates()
     print(f"where the time goes, against the floor (this machine now, {torch.get_num_threads()} threads: {bandwidth / 1e9:.1f} GB/s, "
           f"{flops / 1e9:.0f} GFLOP/s): the whole evaluation; the flushes' forwards (the prompts and the tool "
           f"messages, fed many tokens a row: {100 * base['flush_fed_tokens'] / base['fed_tokens']:.0f}% of the tokens fed in "
-          f"{base['flush_forwards']} of {base['forwards']} forwards, first variant); the decode forwards (a token and its drafts a row)")
+          f"{base['flush_forwards']} of {base['forwards']} forwards, first variant); the decode forwards (a token a row)")
     print(f"{'variant':<{width}}{'time':>9}{'floor':>9}{'x floor':>9}{'in forwards':>13}{'flushes':>10}{'x floor':>9}"
           f"{'decode':>9}{'x floor':>9}")
     for v, r in results.items():
@@ -367,7 +337,7 @@ def eval_variant(args, variant) -> dict:
     whole process: model, adapter, caches, and the freed memory malloc keeps; with forked processes,
     this one's peak and what each forked one added to the pages it started with), the engine's
     counters and work, and the outcomes, which greedy decoding makes (nearly) the same in every variant."""
-    mode, rows, drafts, attention, processes, weight_dtype = EVAL_VARIANTS[variant]
+    mode, rows, attention, processes, weight_dtype = EVAL_VARIANTS[variant]
     defaults = train.parse_args([])
     limits = agentrl.Limits(defaults.max_turns, defaults.max_new_tokens, defaults.max_context)
     model, tokenizer = lora.load_model()
@@ -376,11 +346,11 @@ def eval_variant(args, variant) -> dict:
         lora.load_adapter(model, lora.find_adapter(args.adapter))
     tasks = sql_env.load_tasks("default", args.split)
     tasks = tasks[:args.tasks] if args.tasks else tasks
-    greedy = agentrl.Sampling(greedy=True, draft=args.draft if drafts else 0, weight_dtype=weight_dtype)
+    greedy = agentrl.Sampling(greedy=True, weight_dtype=weight_dtype)
 
     def episodes(share, max_rows):   # outcomes, engine counters, this process's peak above its start, each episode's tokens
-        start, stats = resident_bytes("VmRSS"), {}
-        groups = agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, stats=stats, max_rows=max_rows)
+        start = resident_bytes("VmRSS")
+        groups, stats = counted_rollout(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)
         return ("".join("1" if g.trajectories[0].correct else "0" for g in groups), stats, resident_bytes("VmHWM") - start,
                 [g.trajectories[0].token_ids for g in groups])
     t0 = time.perf_counter()
@@ -399,7 +369,7 @@ def eval_variant(args, variant) -> dict:
             "outcomes": "".join(share[0] for share in shares),
             "episodes": [hash(tuple(tokens)) for share in shares for tokens in share[3]],   # ints hash alike in any process
             "work": forward_work(model, stats), "flush_work": forward_work(model, stats, "flush_"),
-            **{k: stats[k] for k in ("forwards", "logit_rows", "drafted_tokens", "accepted_drafts", "forward_s",
+            **{k: stats[k] for k in ("forwards", "logit_rows", "forward_s",
                                      "total_s", "fed_tokens", "flush_forward_s", "flush_forwards", "flush_fed_tokens")},
             "device": "cpu", "limits": f"{limits.max_turns} turns x {limits.max_new_tokens} tokens"}
 

@@ -28,7 +28,7 @@ import grpo
 import lora
 import sql_env
 import train
-from bench.common import in_fresh_process, random_batch, reset_resident_peak, resident_bytes
+from bench.common import counted_rollout, in_fresh_process, random_batch, reset_resident_peak, resident_bytes
 
 # Qwen2.5-3B-Instruct's published config.json, written out so that nothing is downloaded.
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
@@ -169,9 +169,10 @@ def measure_update_on_cpu(config, micro_batch, seed):
     step_config = grpo.GRPOConfig(micro_batch_size=micro_batch, amp_dtype=precision.amp_dtype,
                                   gradient_checkpointing=True)
     trajectories, advantages = random_batch(config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
+    batch = [(agentrl.make_group(None, trajectories), advantages)]
     reset_resident_peak()
     t0 = time.perf_counter()
-    stats = grpo.grpo_step(model, optimizer, trajectories, advantages, step_config,
+    stats = grpo.grpo_step(model, optimizer, batch, step_config,
                            torch.amp.GradScaler("cpu", enabled=False))   # measures memory: no fp16 overflow to guard
     assert not stats["skipped"], stats["skip_reason"]
     return {"peak_bytes": resident_bytes("VmHWM") - before, "seconds": time.perf_counter() - t0}
@@ -227,21 +228,23 @@ def forced_rollout(model, tokenizer, task, group, context, seed=0):
     copied into `group` rows, then one forward per token for all rows, sampling from the (B, V) logits and
     recording log-probs. Only the token kept is forced (a long filler text, cut by the context
     limit): a random-weight model samples from a vocabulary the tokenizer cannot decode, and
-    forcing makes every row exactly `context` tokens long. Returns (trajectories, engine stats)."""
+    forcing makes every row exactly `context` tokens long. Returns (trajectories, stats): the
+    forwards' counters (bench.common.counted_rollout), with prompt_tokens and generated_tokens."""
     filler = "SELECT " + ", ".join(f"col_{i}" for i in range(context))   # more tokens than any context leaves
     limits = agentrl.Limits(max_turns=1, max_new_tokens=context, max_context=context)
-    stats = {}
-    trajectories = agentrl.rollout_group(model, tokenizer, task, group, agentrl.Sampling(seed=seed), limits,
-                                         forced_turns=[[filler]] * group, stats=stats).trajectories
+    groups, stats = counted_rollout(model, tokenizer, [task], group, agentrl.Sampling(seed=seed), limits,
+                                    forced_turns=[[filler]] * group)
+    trajectories = groups[0].trajectories
     assert all(t.stop_reason == "max_context" for t in trajectories), "a row stopped before the context limit"
     return trajectories, stats
 
 
 def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group=GROUP):
     """Real GRPO steps, as train.py takes them with --judge none: rollouts, reward = correct,
-    group advantages, grpo_step. Each row's tool calls are forced (run the gold query, then
-    submit it in even rows, a wrong query in odd rows), so every group is mixed and carries
-    signal whatever the random weights would sample. Returns [(step stats, seconds)], one per task."""
+    group advantages (grpo.batch_from_groups), grpo_step. Each row's tool calls are forced (run the
+    gold query, then submit it in even rows, a wrong query in odd rows), so every group is mixed and
+    carries signal whatever the random weights would sample. Returns [(step stats, seconds)], one
+    per task."""
 
     limits = agentrl.Limits(max_turns=2, max_new_tokens=256, max_context=2048)
     steps = []
@@ -250,11 +253,11 @@ def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group
         forced = [[agentrl.tool_call_text("run_sql", {"query": task.gold_sql}),
                    agentrl.tool_call_text("submit_answer", {"query": task.gold_sql if j % 2 == 0 else "SELECT 'wrong'"})]
                   for j in range(group)]
-        trajectories = agentrl.rollout_group(model, tokenizer, task, group, agentrl.Sampling(seed=step), limits,
-                                             forced_turns=forced).trajectories
-        (advantages,), _ = grpo.group_advantages([[float(t.correct) for t in trajectories]])
-        assert advantages is not None, f"{task.id}: forced rows all got the same reward"
-        stats = grpo.grpo_step(model, optimizer, trajectories, advantages, config, scaler)
+        rolled = agentrl.rollout_group(model, tokenizer, task, group, agentrl.Sampling(seed=step), limits,
+                                       forced_turns=forced)
+        batch, _ = grpo.batch_from_groups([rolled], [[float(t.correct) for t in rolled.trajectories]])
+        assert batch, f"{task.id}: forced rows all got the same reward"
+        stats = grpo.grpo_step(model, optimizer, batch, config, scaler)
         steps.append((stats, time.perf_counter() - t0))
     return steps
 
@@ -302,9 +305,10 @@ def memory_checks(s, seed):
     steady state, and the second is timed warm."""
     model, device, cap = s["model"], s["device"], T4_BUDGET_GIB * GIB
     trajectories, advantages = random_batch(model.config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
+    batch = [(agentrl.make_group(None, trajectories), advantages)]
 
     def update():
-        return grpo.grpo_step(model, s["optimizer"], trajectories, advantages, s["config"], s["scaler"])
+        return grpo.grpo_step(model, s["optimizer"], batch, s["config"], s["scaler"])
 
     first = timed(update, device)
     held = torch.cuda.memory_allocated()

@@ -155,10 +155,12 @@ def bench_agreement(args):
             backend = make(url)
             m = judge_agreement(backend, groups)
             values = m["agreements"]
-            mean = sum(values) / len(values) if values else float("nan")
-            low, high = bootstrap_interval(values, args.seed) if values else (float("nan"),) * 2
+            mean, interval = "-", "-"
+            if values:
+                low, high = bootstrap_interval(values, args.seed)
+                mean, interval = f"{sum(values) / len(values):.2f}", f"[{low:.2f}, {high:.2f}]"
             note = getattr(backend, "response_format", "-") + (f" | {m['errors'][0][:70]}" if m["errors"] else "")
-            print(f"{name:<32} {m['scored']:>3}/{len(groups):<3} {mean:>9.2f} {f'[{low:.2f}, {high:.2f}]':>14} "
+            print(f"{name:<32} {m['scored']:>3}/{len(groups):<3} {mean:>9} {interval:>14} "
                   f"{m['seconds'] / len(groups):>8.1f}  {note}")
     if not version:
         print("http: skipped, llama_cpp is not installed here (README: the local judge server)")

@@ -168,7 +168,7 @@ def bench_learn(args):
 
         SFT start      S warm-start steps on gold demonstrations (one run, shared by every arm)
         GRPO           G steps from the start (judge none: reward = correctness; train.py's defaults
-                       for task sampling and epochs, unless flags say otherwise)
+                       for task sampling, unless flags say otherwise)
         RFT            G steps of rejection-sampling fine-tuning from the start: the same rollouts'
                        kind, supervised steps on the correct ones, as many as GRPO's (--update rft)
         SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
@@ -231,7 +231,8 @@ def bench_learn(args):
                                     "--out", os.path.join(out, "control")])
 
     # 3) the table: every arm on both splits, then the paired differences
-    start_config = train.Config(**read_json(os.path.join(out, "sft", "config.json")))
+    stored = read_json(os.path.join(out, "sft", "config.json"))    # a flag since removed is left out
+    start_config = train.Config(**{k: v for k, v in stored.items() if k in train.Config.__dataclass_fields__})
     splits = start_config.eval_splits
     finals = {"SFT start": records("sft")[-1], **{name: records(folder)[-1] for name, folder in folders.items()}}
     per_split = {name: {split: evaluate.split_metrics(r, split) for split in splits} for name, r in finals.items()}
@@ -246,7 +247,7 @@ def bench_learn(args):
           f"{' (the mean of its runs)' if len(seeds) > 1 else ''} = {extra} SFT steps")
     run = read_json(os.path.join(out, "grpo", "config.json"))
     print(f"GRPO: {run['groups_per_step']} groups x {run['group_size']} per step, temperature {run['temperature']}, "
-          f"lr {run['lr']:g}, epochs {run['epochs']}, frontier share {train.FRONTIER_SHARE}, loss {run['loss']}; "
+          f"lr {run['lr']:g}, frontier share {train.FRONTIER_SHARE}, loss {run['loss']}; "
           f"SFT lr {run['sft_lr']:g}, {train.SFT_BATCH_SIZE} per step")
     header = "".join(f"{s + ' acc':>18}{'failed sub':>11}" for s in splits)
     print(f"{'agent':<24}{header}{'turns':>7}")

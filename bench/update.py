@@ -1,7 +1,7 @@
 """The update's memory and speed (grpo.py, forward.py), and whole train.py runs timed.
 
     python -m bench memory                    # one GRPO update's peak memory: chunked vs unchunked log-probs
-    python -m bench update [--variants a,b]   # one SFT step: where the lm_head runs, micro-batch, prompt once
+    python -m bench update [--variants a,b]   # one GRPO step on a group: each trajectory alone vs the tree once
     python -m bench scale [--trained-groups K] [train.py flags]   # train.py steps per minute: 1 process vs 2
     python -m bench allocator [train.py flags]   # a short run's peak memory, phase times: activations kept or not
 
@@ -32,12 +32,13 @@ from bench.common import (bench_env, chosen_variants, in_fresh_process, mean_or_
                           resident_bytes, run_records)
 
 
-# ---------------------------------------------------------------- memory (forward.token_logprobs)
+# ---------------------------------------------------------------- memory (forward.tree_logprobs)
 def bench_memory(args):
-    """Peak memory of one GRPO update, token log-probs chunked vs unchunked (forward.token_logprobs).
+    """Peak memory of one GRPO update, token log-probs chunked vs unchunked (forward.tree_logprobs'
+    chunk_size: GRPOConfig.chunk_size 512 against None).
 
-    One update = grpo.grpo_step on 8 sequences of 1,024 tokens (the last 768 trained) in one
-    micro-batch, LoRA r=16 on the embedded model, gradient checkpointing on, so that what is left
+    One update = grpo.grpo_step on a batch of one group (agentrl.make_group) of 8 random sequences
+    of 1,024 tokens (the last 768 trained, nothing shared) in one forward, LoRA r=16 on the embedded model, gradient checkpointing on, so that what is left
     is what the log-prob computation costs. Each variant runs in a fresh process, so neither
     inherits the other's allocator state (memory_variant). The figure is the peak above a baseline taken just
     before the update (model, LoRA, optimizer and batch already in memory). CUDA:
@@ -77,6 +78,7 @@ def memory_variant(args, variant) -> dict:
                              chunk_size=None if variant == "unchunked" else grpo.GRPOConfig.chunk_size)
     B, T = 8, 1024
     trajs, advantages = random_batch(model.config.vocab_size, B, T, prompt=256, seed=args.seed)
+    batch = [(agentrl.make_group(None, trajs), advantages)]
 
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated"
@@ -88,7 +90,7 @@ def memory_variant(args, variant) -> dict:
         reset_resident_peak()
         base = resident_bytes("VmRSS")
     t0 = time.time()
-    stats = grpo.grpo_step(model, optimizer, trajs, advantages, config, torch.amp.GradScaler(device.type, enabled=False))
+    stats = grpo.grpo_step(model, optimizer, batch, config, torch.amp.GradScaler(device.type, enabled=False))
     assert not stats["skipped"], stats["skip_reason"]
     if device.type == "cuda":
         torch.cuda.synchronize()
@@ -101,22 +103,21 @@ def memory_variant(args, variant) -> dict:
             "peak_gib": peak / 2**30, "seconds": time.time() - t0}
 
 
-# ---------------------------------------------------------------- update (grpo.sft_step)
-UPDATE_VARIANTS = {   # name: (lm_head at, micro-batch, prompt forwarded once, layers recomputed in the backward)
-    "all-mb4": ("every position", 4, False, False), "trained-mb4": ("trained positions", 4, False, False),
-    "trained-mb1": ("trained positions", 1, False, False), "prefix-mb1": ("trained positions", 1, True, False),
-    "trained-mb1-ckpt": ("trained positions", 1, False, True), "prefix-mb1-ckpt": ("trained positions", 1, True, True)}
+# ---------------------------------------------------------------- update (grpo.grpo_step, forward.tree_logprobs)
+UPDATE_GROUP = 8      # trajectories of a group (train.py's --group-size)
+UPDATE_VARIANTS = {   # name: (trajectories of the group per forward: 1, or the whole group; layers recomputed in the backward)
+    "whole": (1, False), "tree": (UPDATE_GROUP, False), "whole-ckpt": (1, True), "tree-ckpt": (UPDATE_GROUP, True)}
 
 
 def bench_update(args):
-    """One supervised step on 4 demonstrations of the embedded data, six ways: the lm_head at every
-    position in micro-batches of 4 (the earlier code), at trained positions only
-    (forward.token_logprobs' positions=), that one sequence at a time, and that with the prompt the
-    four share forwarded once (forward.SharedPrefix; the default, in SFT and GRPO steps alike); the
-    last two again with gradient checkpointing (--grad-checkpointing, the -ckpt variants). Each
-    variant in a fresh process (update_variant; as bench_memory: VmHWM above the resident set just
-    before the steps); time is the mean of 3 steps after a warm-up, on the same demonstrations in
-    every variant.
+    """One GRPO step on a group of 8 trajectories of the embedded data that share their prompt and
+    first turns, as a group after the SFT warm start does (update_groups), four ways: each trajectory
+    forwarded alone, every token of it (micro_batch_size=1: nothing shared), against the group in
+    one forward over its tree (agentrl.make_group, forward.tree_logprobs: each shared turn once;
+    micro_batch_size = the group, train.py's default); both again with gradient checkpointing
+    (--grad-checkpointing, the -ckpt variants). Each variant in a fresh process (update_variant; as
+    bench_memory: VmHWM above the resident set just before the steps); time is the mean of 3 steps
+    after a warm-up, on the same groups in every variant.
     """
     if args.child:
         print(json.dumps(update_variant(args, args.child)))
@@ -124,43 +125,77 @@ def bench_update(args):
     results = {v: in_fresh_process(["update", "--seed", str(args.seed)], v)
                for v in chosen_variants(args, UPDATE_VARIANTS)}
     base = next(iter(results.values()))   # the first variant measured is the baseline
-    print(f"\none SFT step, {base['batch']} | {base['device']}")
-    print(f"{'lm_head at':<20}{'micro-batch':>12}{'prompt':>14}{'checkpointing':>15}{'time':>9}{'vs first':>10}"
+    print(f"\none GRPO step on a group, {base['batch']} | {base['device']}")
+    print(f"{'variant':<12}{'per forward':>14}{'tokens forwarded':>18}{'checkpointing':>15}{'time':>9}{'vs first':>10}"
           f"{'peak above baseline':>22}")
     for v, r in results.items():
-        positions, mbs, shared, recompute = UPDATE_VARIANTS[v]
-        print(f"{positions:<20}{mbs:>12}{'once' if shared else 'per sequence':>14}{'yes' if recompute else 'no':>15}"
-              f"{r['seconds']:>8.1f}s"
-              f"{base['seconds'] / r['seconds']:>9.2f}x{r['peak_gib']:>18.2f} GiB")
+        mbs, recompute = UPDATE_VARIANTS[v]
+        print(f"{v:<12}{'the group' if mbs > 1 else 'one':>14}{r['forwarded']:>18}{'yes' if recompute else 'no':>15}"
+              f"{r['seconds']:>8.1f}s{base['seconds'] / r['seconds']:>9.2f}x{r['peak_gib']:>18.2f} GiB")
+
+
+def update_groups(model, tokenizer, tasks, group, limits, chunk_size):
+    """For each task, a group (agentrl.make_group) of `group` scripted trajectories: the gold
+    demonstration's turns up to its query (list the tables, describe them: the prompt and these
+    turns are shared), then each its own run_sql and submit_answer (the gold query, then the same
+    query under another comment in each other row), as a group sampled after SFT looks. The sampled
+    log-probs are the model's own (one no-grad forward of the tree), so the step's ratios start at 1."""
+    groups = []
+    for task in tasks:
+        gold = agentrl.gold_turns(task, limits.max_turns)
+        trajectories = []
+        for j in range(group):
+            query = task.gold_sql if j == 0 else f"{task.gold_sql} -- attempt {j}"
+            turns = gold[:-2] + [agentrl.tool_call_text(name, {"query": query}) for name in ("run_sql", "submit_answer")]
+            trajectories.append(agentrl.scripted_trajectory(tokenizer, task, turns, limits))
+        g = agentrl.make_group(task, trajectories)
+        with torch.no_grad():
+            logprobs = forward.tree_logprobs(model, g.tree, trajectories, list(range(group)), chunk_size)   # (B, T)
+        for t, row in zip(trajectories, logprobs.tolist()):
+            t.sampled_logprobs = [lp if m else 0.0 for lp, m in zip(row, t.assistant_mask)]
+        groups.append(g)
+    return groups
+
+
+def forwarded_tokens(group, micro_batch_size):
+    """The tokens the update's forwards run over: each node of the tree once for every micro-batch
+    of the group's trajectories that passes through it."""
+    parts = [set(range(k, min(k + micro_batch_size, len(group.trajectories))))
+             for k in range(0, len(group.trajectories), micro_batch_size)]
+
+    def count(node):
+        return sum(len(node.tokens) for part in parts if part.intersection(node.rows)) + sum(map(count, node.children))
+    return count(group.tree)
 
 
 def update_variant(args, variant) -> dict:
-    """One variant of bench_update in this (fresh) process: seconds per step and the peak above the
-    resident set before the steps. The "every position" variant (the earlier code) has this process's
-    forward.token_logprobs compute log-probs at every position and the mask applied after."""
-    positions, mbs, shared, recompute = UPDATE_VARIANTS[variant]
+    """One variant of bench_update in this (fresh) process: seconds per step, the peak above the
+    resident set before the steps, and the tokens a step forwards."""
+    mbs, recompute = UPDATE_VARIANTS[variant]
     model, tokenizer = lora.load_model()
     lora.apply_lora(model, r=16)
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-5)
     limits = agentrl.Limits(max_turns=4, max_new_tokens=128, max_context=2048)
-    tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", "train"), 16)
-    batches = [[agentrl.demonstration(tokenizer, t, limits=limits) for t in tasks[i:i + 4]] for i in range(0, 16, 4)]
-    if positions == "every position":          # the earlier path: log-probs everywhere, the mask applied after
-        masked = forward.token_logprobs
-        forward.token_logprobs = lambda model, ids, attention, chunk_size=512, positions=None, prefix=None: masked(
-            model, ids, attention, chunk_size, None, prefix)
-    config = grpo.GRPOConfig(micro_batch_size=mbs, shared_prefix=shared, gradient_checkpointing=recompute)
+    config = grpo.GRPOConfig(micro_batch_size=mbs, gradient_checkpointing=recompute)
+    tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", "train"), 4)
+    groups = update_groups(model, tokenizer, tasks, UPDATE_GROUP, limits, config.chunk_size)
+    rewards = [[float(j % 2) for j in range(UPDATE_GROUP)] for _ in groups]     # mixed: every group trains
+    steps = [grpo.batch_from_groups([g], [r]) for g, r in zip(groups, rewards)]
     scaler = torch.amp.GradScaler("cpu", enabled=False)
-    grpo.sft_step(model, optimizer, batches[0], config, scaler)          # warm-up
+    grpo.grpo_step(model, optimizer, steps[0][0], config, scaler)          # warm-up
     reset_resident_peak()
     base = resident_bytes("VmRSS")
     t0 = time.perf_counter()
-    for batch in batches[1:]:
-        grpo.sft_step(model, optimizer, batch, config, scaler)
-    seconds = (time.perf_counter() - t0) / 3
-    tokens = sum(len(t.token_ids) for t in batches[1]), sum(sum(t.assistant_mask) for t in batches[1])
+    for batch, _ in steps[1:]:
+        stats = grpo.grpo_step(model, optimizer, batch, config, scaler)
+        assert not stats["skipped"], stats["skip_reason"]
+    seconds = (time.perf_counter() - t0) / len(steps[1:])
+    shown = groups[1].trajectories
+    tokens = sum(len(t.token_ids) for t in shown), sum(sum(t.assistant_mask) for t in shown)
     return {"seconds": seconds, "peak_gib": (resident_bytes("VmHWM") - base) / 2**30, "device": "cpu",
-            "batch": f"4 demonstrations, {tokens[0]} tokens of which {tokens[1]} trained, LoRA r=16"}
+            "forwarded": forwarded_tokens(groups[1], mbs),
+            "batch": f"{UPDATE_GROUP} trajectories, {tokens[0]} tokens of which {tokens[1]} trained, "
+                     f"{forwarded_tokens(groups[1], UPDATE_GROUP)} distinct, LoRA r=16"}
 
 
 # ---------------------------------------------------------------- scale (train.py under torchrun, parallel.py)

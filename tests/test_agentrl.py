@@ -8,6 +8,8 @@ import json
 import math
 from dataclasses import dataclass
 
+from contextlib import contextmanager
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -108,10 +110,30 @@ def scripted(request):
     def get(kind, tok):
         if (kind, tok) not in done:
             from conftest import build_tiny_model
-            model, tokenizer, stats = build_tiny_model(kind), request.getfixturevalue(tok), {}
-            done[kind, tok] = model, tokenizer, rollout(model, tokenizer, stats=stats), stats
+            model, tokenizer = build_tiny_model(kind), request.getfixturevalue(tok)
+            with fed_tokens() as fed:
+                groups = rollout(model, tokenizer)
+            done[kind, tok] = model, tokenizer, groups, fed
         return done[kind, tok]
     return get
+
+
+@contextmanager
+def fed_tokens():
+    """The real tokens each of the engine's forwards is fed, in order (a list filled as it runs)."""
+    fed, original = [], agentrl.CachedForward
+
+    class Counting(original):
+        def __call__(self, ids, mask, cache):
+            fed.append(int(mask[:, -ids.shape[1]:].sum()))
+            return super().__call__(ids, mask, cache)
+    agentrl.CachedForward = Counting
+    try:
+        yield fed
+    finally:
+        agentrl.CachedForward = original
+
+
 
 
 # ----------------------------------------------------------------------------- rollouts
@@ -174,42 +196,40 @@ def test_rollout_outcomes_follow_the_script(scripted):
 
 def test_rollout_prompt_prefix_encoded_once(scripted, smol_tokenizer):
     """All rows of a group start from their task's prompt tokens, mask 0; the tokens every prompt
-    shares (all but the question) are encoded once for the whole call, the rest once per row
-    (the engine's prompt_tokens counter)."""
-    _, _, groups, stats = scripted("llama", "smol_tokenizer")
+    shares (all but the question) are encoded once for the whole call, and the rest once per group
+    (its rows agree so far: one node of its tree, fed once at the first flush)."""
+    _, _, groups, fed = scripted("llama", "smol_tokenizer")
     prompts = [smol_tokenizer(agentrl.render(smol_tokenizer, agentrl.build_messages(g.task, TOOLS), TOOLS, True),
                               add_special_tokens=False).input_ids for g in groups]
     for group, ids in zip(groups, prompts):
         for traj in group.trajectories:
             assert traj.token_ids[:len(ids)] == ids and not any(traj.assistant_mask[:len(ids)])
+        assert [c.tokens for c in group.tree.children] == [ids]
     shared = next(i for i, (a, b) in enumerate(zip(*prompts)) if a != b)
     question = smol_tokenizer(groups[0].task.question, add_special_tokens=False).input_ids
     assert shared > len(prompts[0]) - len(question) - 8, "the shared prefix stops before the question"
-    n = len(groups[0].trajectories)
-    assert stats["prompt_tokens"] == shared + sum(n * (len(ids) - shared) for ids in prompts)
+    assert fed[:2] == [shared, sum(len(ids) - shared for ids in prompts)]
 
 
-def test_flush_counters_hold_the_prompts_and_tool_messages(scripted):
-    """The flushes' forwards (`python -m bench eval`'s "where the time goes") feed the prompts (the shared
-    prefix, then each row's rest), every tool message with the next assistant header, and the last
-    token of each turn that goes on (sampled, not yet in the cache); the decode forwards feed every
-    other sampled token but each row's last, which ends the row unfed. One token a forward here.
-    That is with every row fed (share_histories=False); the default feeds the rows of a group that
-    agree so far once (the scripted turns make them agree): fewer tokens, the same trajectories."""
-    model, tokenizer, shared_groups, shared_stats = scripted("llama", "smol_tokenizer")
-    stats = {}
-    groups = rollout(model, tokenizer, stats=stats, share_histories=False)
-    trajs, shared = [t for g in groups for t in g.trajectories], [t for g in shared_groups for t in g.trajectories]
-    assert [t.token_ids for t in trajs] == [t.token_ids for t in shared]
-    for t, s in zip(trajs, shared):
-        torch.testing.assert_close(torch.tensor(s.sampled_logprobs), torch.tensor(t.sampled_logprobs), rtol=0, atol=1e-5)
-    assert shared_stats["flush_fed_tokens"] < stats["flush_fed_tokens"] and shared_stats["forwards"] == stats["forwards"]
-    turns_going_on = sum(t.num_turns - 1 for t in trajs)
-    assert stats["flush_fed_tokens"] == stats["prompt_tokens"] + stats["appended_tokens"] + turns_going_on
-    decode_fed = stats["fed_tokens"] - stats["flush_fed_tokens"]
-    assert decode_fed == sum(sum(t.assistant_mask) for t in trajs) - turns_going_on - len(trajs)
-    assert 0 < stats["flush_forwards"] < stats["forwards"] and 0 < stats["flush_forward_s"] < stats["forward_s"]
-    assert stats["flush_fed_columns"] >= stats["flush_fed_tokens"]
+def test_each_trajectory_is_a_path_of_its_group_s_tree(scripted):
+    """A group's tree (make_group): every trajectory's tokens and messages are those of the nodes on
+    its path, in order; a node starts where its parent ends, and holds the trajectories through it."""
+    _, _, groups, _ = scripted("qwen2", "qwen_tokenizer")
+    for group in groups:
+        paths = {i: [] for i in range(len(group.trajectories))}
+
+        def walk(node, end):
+            assert node.start == end
+            for i in node.rows:
+                paths[i].append(node)
+            for child in node.children:
+                assert set(child.rows) <= set(node.rows)
+                walk(child, node.start + len(node.tokens))
+        walk(group.tree, 0)
+        for i, t in enumerate(group.trajectories):
+            assert [tok for n in paths[i] for tok in n.tokens] == t.token_ids
+            assert [m for n in paths[i] for m in n.messages] == t.messages
+            assert len(paths[i]) == 2 + len(t.turns)    # the empty root, the prompt, a node a turn
 
 
 def test_no_tasks_no_groups(tiny_llama, smol_tokenizer):
@@ -288,81 +308,11 @@ def test_weights_in_bf16_record_the_bf16_policys_logprobs(greedy, tiny_llama, sm
     assert max(to_bf16) < max(to_fp32) / 2, (to_bf16, to_fp32)
 
 
-def test_draft_proposes_what_followed_the_latest_earlier_ngram():
-    """Prompt lookup: the tokens after the latest earlier occurrence of the last 3 tokens, else of
-    the last 2; nothing without a match, or with k = 0."""
-    assert agentrl._draft([1, 2, 3, 4, 7, 2, 3, 5, 1, 2, 3], 2) == [4, 7]     # the 3-gram wins over the later 2-gram
-    assert agentrl._draft([7, 2, 3, 9, 8, 7, 5, 2, 3], 3) == [9, 8, 7]
-    assert agentrl._draft([4, 1, 2, 6, 1, 2, 5, 1, 2], 1) == [5]              # the latest of two occurrences
-    assert agentrl._draft([1, 2, 3, 4], 4) == [] and agentrl._draft([1, 2, 1, 2], 0) == []
-
-
-def oracle_drafts(reference, k):
-    """A stand-in for agentrl._draft that knows the trajectories a run without drafts wrote: it
-    proposes the next k tokens of the one the row is writing, across turn ends too, and spoils one
-    of them on two calls in three (at a place that varies), so that drafts are confirmed whole,
-    refused part way and refused at once."""
-    calls = []
-
-    def draft(tokens, _k):
-        calls.append(len(tokens))
-        ahead = next((t[len(tokens):len(tokens) + k] for t in reference if t[:len(tokens)] == tokens), [])
-        if ahead and len(calls) % 3:
-            spoil = len(calls) % len(ahead)
-            ahead = ahead[:spoil] + [ahead[spoil] + 1] + ahead[spoil + 1:]
-        return ahead
-    return draft
-
-
-@pytest.mark.parametrize("forced", ["scripted", "free"])
-def test_drafts_change_no_token_and_save_forwards(forced, tiny_llama, smol_tokenizer, monkeypatch):
-    """Greedy with drafts (Sampling.draft) writes exactly the tokens greedy without them writes, with
-    the same log-probs, which equal a fresh forward: confirmed drafts are real tokens, refused ones
-    holes that no later token sees. Drafts that come true save forwards, and each tool message is
-    counted once. (The tiny models' tool calls are scripted, and scripted tokens are never drafted,
-    so a tool call closed by a confirmed draft is not exercised here.)"""
-    script = SCRIPT if forced == "scripted" else None
-    plain_stats, draft_stats = {}, {}
-    plain = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), forced_turns=script,
-                    stats=plain_stats)
-    reference = [t.token_ids for g in plain for t in g.trajectories]
-    monkeypatch.setattr(agentrl, "_draft", oracle_drafts(reference, k=4))
-    drafted = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True, draft=4), forced_turns=script,
-                      stats=draft_stats)
-    for a, b in zip([t for g in drafted for t in g.trajectories], [t for g in plain for t in g.trajectories]):
-        assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason and a.messages == b.messages
-        torch.testing.assert_close(torch.tensor(a.sampled_logprobs), torch.tensor(b.sampled_logprobs), rtol=0, atol=1e-4)
-        fresh = full_forward_logprobs(tiny_llama, a.token_ids) * torch.tensor(a.assistant_mask)
-        torch.testing.assert_close(torch.tensor(a.sampled_logprobs), fresh, rtol=0, atol=1e-4)
-    assert 0 < draft_stats["accepted_drafts"] < draft_stats["drafted_tokens"]
-    assert draft_stats["forwards"] < plain_stats["forwards"]
-    assert draft_stats["appended_tokens"] == plain_stats["appended_tokens"]    # tool messages counted once each
-    assert plain_stats["appended_tokens"] > 0 or forced == "free"             # free rows of a random model call no tool
-    assert plain_stats["drafted_tokens"] == plain_stats["accepted_drafts"] == 0
-
-
-def test_sampled_drafts_record_the_raw_log_probs(tiny_llama, smol_tokenizer, monkeypatch):
-    """Sampling at a temperature with drafts: every recorded log-prob is still the raw model's (a
-    fresh forward's), the same seed gives the same tokens, and drafts were confirmed."""
-    plain = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(seed=3, temperature=0.3), forced_turns=None)
-    monkeypatch.setattr(agentrl, "_draft", oracle_drafts([t.token_ids for g in plain for t in g.trajectories], k=3))
-    runs = []
-    for _ in range(2):
-        stats = {}
-        groups = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(seed=3, temperature=0.3, draft=3),
-                         forced_turns=None, stats=stats)
-        runs.append([t.token_ids for g in groups for t in g.trajectories])
-    assert runs[0] == runs[1] and stats["accepted_drafts"] > 0
-    for t in (t for g in groups for t in g.trajectories):
-        fresh = full_forward_logprobs(tiny_llama, t.token_ids) * torch.tensor(t.assistant_mask)
-        torch.testing.assert_close(torch.tensor(t.sampled_logprobs), fresh, rtol=0, atol=1e-4)
-
-
 def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
     """An fp16 overflow in one row (nan logits in the fourth forward: the shared prefix, the rest of
     the prompt, then two decode steps) ends that row with
-    stop_reason non_finite_logits and no nan in its log-probs, is counted, and changes nothing for
-    the other rows: they match a clean run token for token."""
+    stop_reason non_finite_logits and no nan in its log-probs, and changes nothing for the other
+    rows: they match a clean run token for token."""
     def run(poison):
         forwards = []
 
@@ -372,17 +322,16 @@ def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
                 output[0] = float("nan")
 
         hook = tiny_llama.lm_head.register_forward_hook(nan_in_row_0)
-        stats = {}
         try:
             groups = agentrl.rollout_groups(tiny_llama, smol_tokenizer, TASKS[:1], 3, agentrl.Sampling(greedy=True),
-                                            agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv,
-                                            stats=stats)
+                                            agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv)
         finally:
             hook.remove()
-        return groups[0].trajectories, stats
+        return groups[0].trajectories
 
-    (clean, clean_stats), (poisoned, stats) = run(False), run(True)
-    assert stats["non_finite_rows"] == 1 and clean_stats["non_finite_rows"] == 0
+    clean, poisoned = run(False), run(True)
+    assert sum(t.stop_reason == "non_finite_logits" for t in poisoned) == 1
+    assert not any(t.stop_reason == "non_finite_logits" for t in clean)
     assert poisoned[0].stop_reason == "non_finite_logits" and clean[0].stop_reason == "max_new_tokens"
     assert sum(poisoned[0].assistant_mask) == 2                  # tokens from forwards 2 and 3, none from 4
     start = poisoned[0].assistant_mask.index(1)

@@ -150,24 +150,52 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
 
 
 def test_forward_work_counts_the_flops_torch_counts(tiny_llama):
-    """The floor's FLOPs (engine.forward_work, from the engine's counters) are the ones torch's FLOP
-    counter sees in the same forwards: a 120-token prompt fed to 3 rows as a flush, then one token a
-    row against the cache (norm weights count as matmul weights: well under 1%). Eager attention,
-    whose matmuls the counter sees (it counts nothing for SDPA on a CPU)."""
+    """The floor's FLOPs (engine.forward_work, from bench.common.CountingForward's counters) are the
+    ones torch's FLOP counter sees in the same forwards: a 120-token prompt fed to 3 rows (a flush),
+    then one token a row against the cache (norm weights count as matmul weights: well under 1%).
+    Eager attention, whose matmuls the counter sees (it counts nothing for SDPA on a CPU)."""
     import torch
     from torch.utils.flop_counter import FlopCounterMode
     import kvcache
     tiny_llama.set_attn_implementation("eager")
-    forward, cache = kvcache.CachedForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
+    forward, cache = common.CountingForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
     mask = torch.ones((3, 120), dtype=torch.long)
     with torch.no_grad(), FlopCounterMode(display=False) as counter:
-        forward(torch.randint(0, 100, (3, 120)), mask, cache, flush=True)
+        logits = forward(torch.randint(0, 100, (3, 120)), mask, cache)
         forward(torch.randint(0, 100, (3, 1)), torch.cat([mask, torch.ones((3, 1), dtype=torch.long)], 1), cache)
-    stats = {**forward.counters, **{"flush_" + k: v for k, v in forward.flushes.items()}}
+    stats = forward.stats
+    assert logits.shape == (3, tiny_llama.config.vocab_size)           # the last column's logits of each row
+    assert (stats["forwards"], stats["flush_forwards"], stats["fed_tokens"], stats["flush_fed_tokens"]) == (2, 1, 363, 360)
+    assert (stats["logit_rows"], stats["cache_columns"], stats["query_key_pairs"]) == (6, 3 * 120 + 3 * 121, 360 * 120 + 3 * 121)
+    assert 0 < stats["flush_forward_s"] < stats["forward_s"]
     work, flush = engine.forward_work(tiny_llama, stats), engine.forward_work(tiny_llama, stats, "flush_")
     assert work["matmul_flops"] + work["attention_flops"] == pytest.approx(counter.get_total_flops(), rel=0.005)
     assert 0 < flush["matmul_flops"] < work["matmul_flops"] and 0 < flush["attention_flops"] < work["attention_flops"]
     assert engine.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
+
+
+def test_counted_rollout_counts_the_forwards_and_changes_no_trajectory(tiny_llama, smol_tokenizer):
+    """bench.common.counted_rollout: the same trajectories as rollout_groups alone (the same seed),
+    its counters add up (every sampled token came from a logit row; the flushes fed the prompts),
+    and agentrl's CachedForward is itself again afterwards."""
+    import agentrl
+    import sql_env
+    tasks = sql_env.load_tasks()[:2]
+    sampling, limits = agentrl.Sampling(seed=3), agentrl.Limits(max_turns=2, max_new_tokens=6, max_context=1024)
+    plain = agentrl.rollout_groups(tiny_llama, smol_tokenizer, tasks, 2, sampling, limits)
+    original = agentrl.CachedForward
+    groups, stats = common.counted_rollout(tiny_llama, smol_tokenizer, tasks, 2, sampling, limits)
+    assert agentrl.CachedForward is original
+    assert [[t.token_ids for t in g.trajectories] for g in groups] == [[t.token_ids for t in g.trajectories] for g in plain]
+    generated = sum(sum(t.assistant_mask) for g in groups for t in g.trajectories)
+    assert stats["generated_tokens"] == generated > 0
+    assert stats["forwards"] > stats["flush_forwards"] >= 1 and stats["logit_rows"] >= stats["forwards"]
+    prompt = max(g.trajectories[0].assistant_mask.index(1) for g in groups)   # the longest prompt, fed at a flush
+    assert stats["prompt_tokens"] == stats["flush_fed_tokens"] >= prompt
+    # a token is fed once for all the rows that agree up to it (a prompt: once for its 2 rows), never twice
+    assert stats["fed_tokens"] < sum(len(t.token_ids) for g in groups for t in g.trajectories)
+    assert stats["fed_tokens"] <= stats["fed_columns"] and stats["flush_fed_tokens"] < stats["fed_tokens"]
+    assert 0 < stats["forward_s"] <= stats["total_s"]
 
 
 def test_weight_stream_rates_read_the_weights_a_decode_forward_multiplies(tiny_llama):
@@ -184,9 +212,10 @@ def test_weight_stream_rates_read_the_weights_a_decode_forward_multiplies(tiny_l
     lora.apply_lora(tiny_llama, r=4)
     rows = 3
     rates = engine.weight_stream_rates(tiny_llama, rows)
-    forward, cache = kvcache.CachedForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
+    forward, cache = common.CountingForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
     with torch.no_grad(), lora.lora_merged(tiny_llama), FlopCounterMode(display=False) as counter:
         forward(torch.randint(0, 100, (rows, 1)), torch.ones((rows, 1), dtype=torch.long), cache)
+    assert (forward.stats["forwards"], forward.stats["fed_tokens"], forward.stats["flush_forwards"]) == (1, rows, 0)
     assert counter.get_total_flops() == 2 * rows * rates["weights"]
     assert all(math.isfinite(rates[k]) and rates[k] > 0 for k in ("rows", "one row", "read", "gflops"))
 

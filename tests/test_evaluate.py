@@ -87,9 +87,9 @@ def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits,
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        one = evaluate.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "one.jsonl"), draft=2,
+        one = evaluate.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "one.jsonl"),
                                 weight_dtype=weight_dtype)
-        two = evaluate.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "two.jsonl"), draft=2,
+        two = evaluate.evaluate(model, smol_tokenizer, tasks, limits, path=str(tmp_path / "two.jsonl"),
                                 processes=2, weight_dtype=weight_dtype)
     finally:
         torch.set_num_threads(threads)

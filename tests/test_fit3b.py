@@ -51,8 +51,8 @@ def forced(smol_tokenizer):
     """fit3b.forced_rollout on a tiny model: 2 rows decoded to 400 tokens (the prompt is ~300)."""
     context = 400
     task = sql_env.load_tasks()[0]
-    trajectories, _ = fit3b.forced_rollout(build_tiny_model("llama"), smol_tokenizer, task, 2, context)
-    return trajectories, context
+    trajectories, stats = fit3b.forced_rollout(build_tiny_model("llama"), smol_tokenizer, task, 2, context)
+    return trajectories, context, stats
 
 
 def _tensors(value):
@@ -71,17 +71,29 @@ def _tensors(value):
 def test_rollouts_return_plain_python_data(forced):
     """A trajectory holds lists and strings only: nothing keeps the KV cache (or any logits) alive
     into the update, so a step never holds the rollout's peak and the update's at once."""
-    trajectories, _ = forced
+    trajectories, _, _ = forced
     assert _tensors(trajectories) == []
 
 
 def test_forced_rollout_fills_every_row_to_the_context(forced):
     """The memory benchmark's rollout is what it says: every row decoded to exactly `context` tokens."""
-    trajectories, context = forced
+    trajectories, context, _ = forced
     for t in trajectories:
         prompt = t.assistant_mask.index(1)                 # the first decoded token
         assert t.stop_reason == "max_context" and len(t.token_ids) >= context   # closing tokens follow, never fed
         assert t.assistant_mask[prompt:context] == [1] * (context - prompt)
+
+
+def test_forced_rollout_counts_what_the_memory_check_prints(forced):
+    """memory_checks prints the rollout's prompt and decoded tokens from forced_rollout's counters
+    (bench.common.counted_rollout): the decoded tokens are the rows' sampled ones; the two rows
+    agree on their prompt, so it is fed once, at the first flush."""
+    trajectories, context, stats = forced
+    prompt = trajectories[0].assistant_mask.index(1)
+    assert stats["generated_tokens"] == sum(sum(t.assistant_mask) for t in trajectories) >= 2 * (context - prompt)
+    # fed once for both rows (the prompt's last token may go with the first decode forward), not twice
+    assert stats["prompt_tokens"] == stats["flush_fed_tokens"] and prompt - 1 <= stats["prompt_tokens"] < 2 * (prompt - 1)
+    assert stats["forwards"] >= context - prompt and stats["logit_rows"] >= stats["forwards"]
 
 
 # ---------------------------------------------------------------- the CPU estimate

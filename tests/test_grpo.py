@@ -13,7 +13,7 @@ import torch
 import forward
 import grpo
 import lora
-from test_forward import ADVANTAGES, NO_SCALER, perturb_lora, step, tiny_model, trajectories
+from test_forward import ADVANTAGES, NO_SCALER, as_batch, perturb_lora, step, tiny_model, trajectories, whole_logprobs
 
 
 # ---------------------------------------------------------------- advantages
@@ -34,9 +34,9 @@ def test_zero_variance_and_unscored_groups_contribute_nothing_and_are_counted():
     assert counts == {"groups": 3, "trainable_groups": 1, "zero_variance_groups": 1, "unscored_groups": 1}
 
 
-def test_batch_from_groups_drops_non_finite_rows_before_the_baseline_and_flattens():
-    """Rows cut on non-finite logits leave their group before the mean is taken; a group left with
-    one row is unscored; an all-equal group adds nothing; the rest is flattened in group order."""
+def test_batch_from_groups_drops_non_finite_rows_before_the_baseline():
+    """Rows cut on non-finite logits leave their group before the mean is taken (advantage None); a
+    group left with one row is unscored; an all-equal group adds nothing; the rest keep their order."""
     def group(*rows):      # (reward, stop_reason) per trajectory
         return SimpleNamespace(trajectories=[SimpleNamespace(stop_reason=s, name=f"{r}/{s}") for r, s in rows])
 
@@ -46,9 +46,9 @@ def test_batch_from_groups_drops_non_finite_rows_before_the_baseline_and_flatten
               group((1.0, ok), (1.0, ok)),                  # all equal: no signal
               group((0.0, ok), (2.0, ok))]
     rewards = [[float(t.name.split("/")[0]) for t in g.trajectories] for g in groups]
-    batch, advantages, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=False)
-    assert [t.name for t in batch] == ["1.0/submitted", "0.0/submitted", "0.0/submitted", "2.0/submitted"]
-    assert advantages == [0.5, -0.5, -1.0, 1.0]
+    batch, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=False)
+    assert [g for g, _ in batch] == [groups[0], groups[3]]
+    assert [advantages for _, advantages in batch] == [[0.5, -0.5, None], [-1.0, 1.0]]
     assert counts["non_finite_trajectories"] == 2 and counts["unscored_groups"] == 1
     assert counts["zero_variance_groups"] == 1 and counts["trainable_groups"] == 2
 
@@ -128,7 +128,7 @@ def test_micro_batch_accumulation_equals_one_big_batch(aggregation):
     trajs = trajectories(6)
     b = forward.collate(trajs, ADVANTAGES, torch.device("cpu"))
     model.train()
-    logps = forward.token_logprobs(model, b["input_ids"], b["attention_mask"], chunk_size=None)
+    logps = whole_logprobs(model, trajs)
     loss, _ = grpo.policy_loss(logps, b["old_logprobs"], b["advantages"], b["mask"], aggregation=aggregation,
                                max_tokens=max(sum(t.assistant_mask) for t in trajs))
     grads = torch.autograd.grad(loss, params)
@@ -161,7 +161,7 @@ def test_one_step_changes_lora_params_and_only_them():
     frozen = {n: p.detach().clone() for n, p in model.named_parameters() if "lora_" not in n}
     before = [p.detach().clone() for p in params]
     optimizer = torch.optim.AdamW(params, lr=1e-2)
-    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, grpo.GRPOConfig(micro_batch_size=4), NO_SCALER)
+    stats = grpo.grpo_step(model, optimizer, as_batch(trajectories(6), ADVANTAGES), grpo.GRPOConfig(micro_batch_size=4), NO_SCALER)
     assert not stats["skipped"] and stats["grad_norm"] > 0
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
     for n, p in model.named_parameters():
@@ -179,14 +179,13 @@ def test_a_step_raises_the_log_prob_of_positive_advantages_and_lowers_negative_o
 
     def masked_logprobs(t):
         with torch.no_grad():
-            ids = torch.tensor([t.token_ids])
-            lp = forward.token_logprobs(model, ids, torch.ones_like(ids))[0].tolist()
+            lp = whole_logprobs(model, [t])[0].tolist()
         return [v * m for v, m in zip(lp, t.assistant_mask)]
 
     for t in trajs:  # on-policy: the "sampled" log-probs are the current policy's
         t.sampled_logprobs = masked_logprobs(t)
     before = [sum(t.sampled_logprobs) for t in trajs]
-    grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), trajs, [1.0, -1.0], grpo.GRPOConfig(), NO_SCALER)
+    grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), as_batch(trajs, [1.0, -1.0]), grpo.GRPOConfig(), NO_SCALER)
     after = [sum(masked_logprobs(t)) for t in trajs]
     assert after[0] > before[0] and after[1] < before[1], (before, after)
 
@@ -196,60 +195,29 @@ def test_kl_is_zero_while_the_adapter_is_a_no_op_then_positive():
     model, params = tiny_model()
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     config = grpo.GRPOConfig(kl_coef=0.1)
-    first, second = (grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, NO_SCALER,
+    first, second = (grpo.grpo_step(model, optimizer, as_batch(trajectories(6), ADVANTAGES), config, NO_SCALER,
                                     reference_context=lora.lora_disabled(model)) for _ in range(2))
     assert first["kl"] == 0.0 and second["kl"] > 0
 
 
-def test_grpo_update_with_one_epoch_is_one_grpo_step():
-    """K = 1 is today's step, bit for bit."""
-    results = []
-    for update in ("step", "update"):
-        model, params = tiny_model()
-        perturb_lora(params)
-        optimizer = torch.optim.AdamW(params, lr=1e-2)
-        call = grpo.grpo_step if update == "step" else grpo.grpo_update
-        stats = call(model, optimizer, trajectories(6), ADVANTAGES, grpo.GRPOConfig(micro_batch_size=4), NO_SCALER)
-        results.append(([p.detach().clone() for p in params], stats))
-    (a, stats_a), (b, stats_b) = results
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
-    assert stats_b["updates"] == 1 and stats_a["loss"] == stats_b["loss"]
-
-
-def test_several_steps_per_batch_with_a_kl_term_reuse_the_reference_context():
-    """grpo_update enters the one reference context it is given at every step (4 here)."""
-    model, params = tiny_model()
-    perturb_lora(params)
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
-    config = grpo.GRPOConfig(epochs=4, kl_coef=0.1)
-    stats = grpo.grpo_update(model, optimizer, trajectories(6), ADVANTAGES, config, NO_SCALER,
-                             reference_context=lora.lora_disabled(model))
-    assert stats["updates"] == 4 and stats["kl"] > 0
-    assert all(m.enabled for m in model.modules() if isinstance(m, lora.LoRALinear))
-
-
-def test_several_steps_per_batch_make_the_ratio_move_and_the_clip_act():
-    """On fresh rollouts (recorded log-probs = the policy's own) the first step sees ratio 1 and
-    clips nothing; after 4 epochs at a high learning rate the policy has moved away
-    from the sampler: kl_old > 0 and the clip acts on some tokens."""
+def test_fresh_rollouts_give_ratio_one_and_a_moved_policy_is_clipped():
+    """On fresh rollouts (recorded log-probs = the policy's own) a step sees ratio 1 and clips
+    nothing; on rollouts a far-moved policy sampled, kl_old > 0 and the clip acts on some tokens."""
     model, params = tiny_model()
     perturb_lora(params)
     trajs = trajectories(6, seed=5)
-    b = forward.collate(trajs, ADVANTAGES, torch.device("cpu"))
     with torch.no_grad():
-        fresh = forward.token_logprobs(model.eval(), b["input_ids"], b["attention_mask"])
+        fresh = whole_logprobs(model.eval(), trajs)
     for t, row in zip(trajs, fresh):
         t.sampled_logprobs = [lp * m for lp, m in zip(row[:len(t.token_ids)].tolist(), t.assistant_mask)]
-    optimizer = torch.optim.AdamW(params, lr=5e-2)
-    first = grpo.grpo_step(model, optimizer, trajs, ADVANTAGES, grpo.GRPOConfig(), NO_SCALER)
+    first = grpo.grpo_step(model, torch.optim.AdamW(params, lr=5e-2), as_batch(trajs, ADVANTAGES), grpo.GRPOConfig(),
+                           NO_SCALER)
     assert first["kl_old"] < 1e-5 and first["clip_frac_low"] + first["clip_frac_high"] == 0
     model, params = tiny_model()
-    perturb_lora(params)
-    optimizer = torch.optim.AdamW(params, lr=5e-2)
-    stats = grpo.grpo_update(model, optimizer, trajs, ADVANTAGES, grpo.GRPOConfig(epochs=4), NO_SCALER)
-    assert stats["updates"] == 4 and stats["kl_old_last"] > 1e-3
-    assert stats["clip_frac_low"] + stats["clip_frac_high"] > 0
+    perturb_lora(params, seed=7)            # another policy: the one that "sampled" is far from it
+    stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=5e-2), as_batch(trajs, ADVANTAGES), grpo.GRPOConfig(),
+                           NO_SCALER)
+    assert stats["kl_old"] > 1e-3 and stats["clip_frac_low"] + stats["clip_frac_high"] > 0
 
 
 @pytest.mark.parametrize("where", ["loss", "grad"])
@@ -279,11 +247,11 @@ def test_fp16_grad_scaler_overflow_skips_the_step_and_lowers_the_scale():
     config = grpo.GRPOConfig(amp_dtype=torch.float16)
     hook = params[0].register_hook(lambda g: g * float("inf"))
     before = [p.detach().clone() for p in params]
-    stats = grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler)
+    stats = grpo.grpo_step(model, optimizer, as_batch(trajectories(6), ADVANTAGES), config, scaler)
     assert stats["skipped"] and "non-finite gradient" in stats["skip_reason"] and scaler.get_scale() == 2.0**15
     assert all(torch.equal(b, p) for b, p in zip(before, params))
     hook.remove()
-    assert not grpo.grpo_step(model, optimizer, trajectories(6), ADVANTAGES, config, scaler)["skipped"]
+    assert not grpo.grpo_step(model, optimizer, as_batch(trajectories(6), ADVANTAGES), config, scaler)["skipped"]
 
 
 def test_stats_are_reported_and_model_mode_restored():
@@ -328,39 +296,6 @@ def test_sft_step_fp16_overflow_skips_the_step_and_lowers_the_scale():
     assert any(not torch.equal(b, p) for b, p in zip(before, params))
 
 
-def test_rft_update_takes_as_many_steps_as_grpo_and_one_pass_is_one_sft_step():
-    """Rejection sampling steps as often as GRPO: one epoch is one sft_step, bit for bit; 4 epochs
-    are 4 optimizer steps, each on all the correct rollouts."""
-    results = []
-    for update in ("sft_step", "rft_update"):
-        model, params = tiny_model()
-        optimizer = torch.optim.AdamW(params, lr=1e-2)
-        call = grpo.sft_step if update == "sft_step" else grpo.rft_update
-        stats = call(model, optimizer, trajectories(4), grpo.GRPOConfig(micro_batch_size=2), NO_SCALER)
-        results.append(([p.detach().clone() for p in params], stats))
-    (a, stats_a), (b, stats_b) = results
-    for x, y in zip(a, b):
-        torch.testing.assert_close(x, y, rtol=0, atol=0)
-    assert stats_b["updates"] == 1 and stats_a["sft_loss"] == stats_b["sft_loss"]
-
-    config = grpo.GRPOConfig(micro_batch_size=2, epochs=4)
-    model, params = tiny_model()
-    optimizer = torch.optim.AdamW(params, lr=1e-2)
-    stats = grpo.rft_update(model, optimizer, trajectories(4), config, NO_SCALER, seed=3)
-    assert stats["updates"] == 4 and not stats["skipped"] and stats["sft_loss"] > 0
-    assert stats["tokens"] == sum(sum(t.assistant_mask) for t in trajectories(4))
-    assert all(optimizer.state[p]["step"] == 4 for p in params)
-
-
-def test_each_pass_over_a_batch_reshuffles_it_as_the_recorded_orders():
-    """One epoch is the batch in its order; several each reshuffle the order the pass before left,
-    seeded: the orders recorded at levers-v1 (minibatch_passes with one minibatch), so a run's
-    steps see their rollouts in the same order as before the cut and a resumed run repeats them."""
-    assert grpo._passes(6, 1, seed=7) == [[0, 1, 2, 3, 4, 5]]
-    assert grpo._passes(6, 3, seed=7) == [[4, 0, 5, 3, 1, 2], [5, 3, 0, 2, 1, 4], [0, 4, 2, 5, 3, 1]]
-    assert grpo._passes(4, 4, seed=3) == [[3, 0, 2, 1], [3, 0, 1, 2], [0, 2, 1, 3], [1, 0, 2, 3]]
-
-
 # ---------------------------------------------------------------- data parallel (train.py under torchrun)
 def in_threads(shares, run):
     """Run run(rank, all_reduce) for each share in its own thread, `all_reduce` summing a tensor
@@ -402,17 +337,16 @@ def test_two_processes_with_the_step_counts_equal_one(aggregation, split):
     advantages = ADVANTAGES[:4] + [ADVANTAGES[5], ADVANTAGES[4]]       # the zero advantage last
     model, params = tiny_model()
     perturb_lora(params)
-    one = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), trajs, advantages, config, NO_SCALER)
-    counts = grpo.normalizer_counts(trajs, config)
-    shares = [(trajs[:split], advantages[:split]), (trajs[split:], advantages[split:])]
+    one = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), as_batch(trajs, advantages), config, NO_SCALER)
+    counts = grpo.normalizer_counts(as_batch(trajs, advantages), config)
+    shares = [as_batch(trajs[:split], advantages[:split]), as_batch(trajs[split:], advantages[split:])]
     models = [tiny_model() for _ in shares]
     for _, lora_params in models:
         perturb_lora(lora_params)
 
     def run(rank, all_reduce):
         model, params = models[rank]
-        batch, adv = shares[rank]
-        stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), batch, adv, config, NO_SCALER,
+        stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), shares[rank], config, NO_SCALER,
                                counts=counts, all_reduce=all_reduce)
         return stats, [p.detach() for p in params]
 
@@ -430,15 +364,15 @@ def test_a_non_finite_loss_in_one_process_skips_the_step_in_all():
     trajs = trajectories(6)
     trajs[3].sampled_logprobs[-1] = float("nan")
     config = grpo.GRPOConfig(micro_batch_size=2)
-    counts = grpo.normalizer_counts(trajs, config)
+    counts = grpo.normalizer_counts(as_batch(trajs, ADVANTAGES), config)
     models = [tiny_model() for _ in range(2)]
 
     def run(rank, all_reduce):
         model, params = models[rank]
         before = [p.detach().clone() for p in params]
         part = slice(0, 3) if rank == 0 else slice(3, 6)
-        stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=1e-2), trajs[part], ADVANTAGES[part], config,
-                               NO_SCALER, counts=counts, all_reduce=all_reduce)
+        stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=1e-2), as_batch(trajs[part], ADVANTAGES[part]),
+                               config, NO_SCALER, counts=counts, all_reduce=all_reduce)
         return stats, all(torch.equal(b, p) for b, p in zip(before, params))
 
     (stats0, same0), (stats1, same1) = in_threads([0, 1], run)

@@ -58,10 +58,10 @@ def score_groups(groups, *args, **kwargs):
     return rewards, results, failed
 
 
-def grpo_step(model, optimizer, batch, advantages, config, *args, **kwargs):
+def grpo_step(model, optimizer, batch, config, *args, **kwargs):
     with open(os.path.join(record, "config.pkl"), "wb") as f:
         pickle.dump(config, f)
-    return real_step(model, optimizer, batch, advantages, config, *args, **kwargs)
+    return real_step(model, optimizer, batch, config, *args, **kwargs)
 
 
 def apply_lora(model, *args, **kwargs):
@@ -155,8 +155,8 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
     optimizer.load_state_dict(torch.load(out / "checkpoints" / "step_0001" / "trainer_state.pt",
                                          weights_only=False)["optimizer"])
     config = pickle.load(open(tmp_path / "record" / "config.pkl", "rb"))   # the one train.py passed
-    batch, advantages, _ = grpo.batch_from_groups(groups0 + groups1, rewards0 + rewards1)
-    stats = grpo.grpo_step(model, optimizer, batch, advantages, config, torch.amp.GradScaler("cpu", enabled=False))
+    batch, _ = grpo.batch_from_groups(groups0 + groups1, rewards0 + rewards1)
+    stats = grpo.grpo_step(model, optimizer, batch, config, torch.amp.GradScaler("cpu", enabled=False))
     assert not stats["skipped"] and stats["loss"] == pytest.approx(steps[1]["loss"], abs=1e-6)
     for ours, theirs in zip(lora.lora_parameters(model), record[0]["lora"], strict=True):
         # the same update up to rounding: each process forwards the prompt its own groups share once
