@@ -227,7 +227,7 @@ class lora_disabled:
     """Run the base model: the frozen reference policy for the KL term, without a second copy.
 
     `with lora_disabled(model): ...`. A class rather than a generator so that one object can be
-    entered again and again (grpo_update passes the same reference context to each of its steps)."""
+    entered again and again (grpo_step enters the same reference context for each micro-batch)."""
 
     def __init__(self, model):
         self.model = model
