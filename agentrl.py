@@ -4,14 +4,14 @@
     group = rollout_group(model, tokenizer, task, n=8, sampling=Sampling(seed=0), limits=Limits())
     group.trajectories[0].token_ids                     # exactly what GRPO will train on
     group.tree                                          # the turns its trajectories share (Node)
-    demo = demonstration(tokenizer, task)               # a gold demonstration for SFT, as a rollout records it
+    demo = demonstration(tokenizer, task)               # a gold demonstration for SFT, as rollouts record
 
 An episode: the system prompt (with the tools), a worked example, the question; then turns in which
 the model writes one `<tool_call>{json}</tool_call>` and the environment answers, until it calls
 `submit_answer`. A Trajectory records every token the model saw or sampled, in order, with a mask
 (1 on sampled tokens) and their log-probs: what the update trains on, never a re-tokenization.
 
-A group is a tree (`Node`, `make_group`): its trajectories share the prompt, and often their first
+A group is a tree (tree.py, `make_group`): its trajectories share the prompt, and often their first
 turns and the tool's answers. The root's child is the prompt, each node below it one turn (the
 sampled call, the tool's answer, the next turn's header); a trajectory is the path to its leaf.
 The judge prints that tree (judge.py), the update forwards each of its nodes once (forward.py).
@@ -19,7 +19,7 @@ The judge prints that tree (judge.py), the update forwards each of its nodes onc
 How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows):
   1) the prompts' common prefix is encoded once, into a one-row cache every row starts from;
   2) every row mid-turn takes its next token, recorded with its log-prob under the raw model
-     (temperature 1, no top-p: the policy GRPO trains);
+     (temperature 1: the policy GRPO trains);
   3) a turn ending in a tool call runs the tool, and the template's new text is queued for the row;
      a row stops on submit_answer, no call, a limit, or non-finite logits (`Trajectory.stop_reason`);
   4) finished rows leave the batch;
@@ -38,7 +38,6 @@ Simplifications, and why they are safe:
 """
 import json
 import re
-import time
 from dataclasses import dataclass, field
 
 import torch
@@ -48,11 +47,13 @@ import lora
 from files import common_prefix_length
 from kvcache import CachedForward, KVCache, pack_left, right_aligned
 from sql_env import SQLEnv, tables_read
+from tree import Node, build_tree
 
 # ----------------------------------------------------------------------------- chat and tools
 
-SYSTEM_PROMPT = """You are a SQL agent. Answer the user's question about a SQLite database with tool calls only, one per turn, never with prose.
-A tool call is one line: <tool_call>{"name": "TOOL_NAME", "arguments": {...}}</tool_call>"""
+SYSTEM_PROMPT = ("You are a SQL agent. Answer the user's question about a SQLite database with tool calls "
+                 "only, one per turn, never with prose.\n"
+                 'A tool call is one line: <tool_call>{"name": "TOOL_NAME", "arguments": {...}}</tool_call>')
 
 
 def tool_call_text(name, arguments) -> str:
@@ -66,7 +67,8 @@ DEMONSTRATION = [
     {"role": "user", "content": "How many orders are there?"},
     {"role": "assistant", "content": tool_call_text("run_sql", {"query": "SELECT COUNT(*) FROM orders"})},
     {"role": "tool", "content": "COUNT(*)\n1520"},
-    {"role": "assistant", "content": tool_call_text("submit_answer", {"query": "SELECT COUNT(*) FROM orders"})},
+    {"role": "assistant",
+     "content": tool_call_text("submit_answer", {"query": "SELECT COUNT(*) FROM orders"})},
     {"role": "tool", "content": "Answer submitted."},
 ]
 
@@ -85,7 +87,8 @@ def describe_tools(tools: list[dict]) -> str:
     lines = []
     for tool in tools:
         fn = tool["function"]
-        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in fn.get("parameters", {}).get("properties", {}).items())
+        properties = fn.get("parameters", {}).get("properties", {})
+        args = ", ".join(f"{k}: {v.get('type', 'any')}" for k, v in properties.items())
         lines.append(f"- {fn['name']}({args}): {fn.get('description', '')}")
     return "Tools:\n" + "\n".join(lines)
 
@@ -135,7 +138,6 @@ def parse_tool_call(text) -> tuple[str, dict]:
 @dataclass
 class Sampling:
     temperature: float = 1.0
-    top_p: float = 1.0         # nucleus sampling's mass (1.0: off)
     greedy: bool = False       # argmax decoding, for evaluation
     seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
     weight_dtype: torch.dtype | None = None   # the merged layers' and the lm_head's weights while generating
@@ -155,8 +157,8 @@ class Trajectory:
     messages: list[dict]            # the full conversation; decode(token_ids) == its chat-template rendering
     token_ids: list[int]            # (T,) exact tokens the model saw or sampled, in order
     assistant_mask: list[int]       # (T,) 1 only on sampled tokens
-    sampled_logprobs: list[float]   # (T,) log p(token_t | tokens_<t) under the raw model (temperature 1,
-                                    #      no top-p), 0.0 where the mask is 0
+    sampled_logprobs: list[float]   # (T,) log p(token_t | tokens_<t) under the raw model (temperature 1),
+                                    #      0.0 where the mask is 0
     submitted_sql: str | None
     correct: bool
     stop_reason: str                # submitted | no_tool_call | max_turns | max_new_tokens | max_context
@@ -165,21 +167,9 @@ class Trajectory:
     num_tool_calls: int
     num_tool_errors: int            # malformed calls + calls the environment answered with an error
     num_describe_calls: int = 0     # describe_table calls (SQLEnv counts them; 0 from an env that does not)
-    failed_submission: bool = False # the submitted query itself failed to run (no such table, syntax, timeout)
+    failed_submission: bool = False # the submitted query failed to run (no such table, syntax, timeout)
     turns: list[tuple[int, int]] = field(default_factory=list)   # where each turn after the prompt starts:
                                     #   (index in token_ids, index in messages)
-
-
-@dataclass
-class Node:
-    """A run of a group's tree: tokens (and the messages they render) that the trajectories in `rows`
-    all have, from index `start` of their token_ids on. Two trajectories share a node exactly when
-    they share every token up to its end; a node ends where a turn does."""
-    start: int                      # index of its first token in each trajectory through it (its depth)
-    tokens: list[int]
-    messages: list[dict]
-    rows: list[int]                 # the group's trajectories through it, by index
-    children: list["Node"] = field(default_factory=list)
 
 
 @dataclass
@@ -190,27 +180,14 @@ class TrajectoryGroup:
 
 
 def make_group(task, trajectories) -> TrajectoryGroup:
-    """The trajectories with their tree: each trajectory split at its turns (the prompt, then a turn
-    and the tool's answer, ...), and a node for each distinct run of turns so far. A trajectory
-    without recorded turns is one node. The tree is built once here; the judge and the update read it.
-
-        trajectory 0: [prompt][list_tables + answer][run_sql A + answer][submit A]
-        trajectory 1: [prompt][list_tables + answer][run_sql B + answer]
-        tree:  root -> prompt {0, 1} -> list_tables {0, 1} -> run_sql A {0} -> submit A {0}
-                                                           -> run_sql B {1}
-    """
-    root = Node(0, [], [], list(range(len(trajectories))))
-    for i, t in enumerate(trajectories):
-        node, bounds = root, [(0, 0), *t.turns, (len(t.token_ids), len(t.messages))]
-        for (start, first), (end, last) in zip(bounds, bounds[1:]):
-            tokens = t.token_ids[start:end]
-            child = next((c for c in node.children if c.tokens == tokens), None)
-            if child is None:
-                child = Node(start, tokens, t.messages[first:last], [])
-                node.children.append(child)
-            child.rows.append(i)
-            node = child
-    return TrajectoryGroup(task, trajectories, root)
+    """The trajectories with their tree (tree.py): each trajectory cut at its recorded turns (the
+    prompt; a turn and the tool's answer; ...) into runs. A trajectory without turns is one run."""
+    paths = []
+    for t in trajectories:
+        bounds = [(0, 0), *t.turns, (len(t.token_ids), len(t.messages))]
+        paths.append([(start, t.token_ids[start:end], t.messages[first:last])
+                      for (start, first), (end, last) in zip(bounds, bounds[1:])])
+    return TrajectoryGroup(task, trajectories, build_tree(paths))
 
 
 @dataclass
@@ -232,52 +209,35 @@ class _Row:
     num_turns: int = 0
     num_tool_calls: int = 0
     num_parse_errors: int = 0
-    on_message: object = None                       # called with each message as it is recorded, or None
 
 
-class _Chat:
-    """Text <-> tokens for the engine: exact decoding, no special tokens added, template rendering."""
-
-    def __init__(self, tokenizer):
-        self.tokenizer = tokenizer
-
-    def decode(self, ids) -> str:
-        return self.tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
-
-    def encode(self, text) -> list[int]:
-        return self.tokenizer(text, add_special_tokens=False).input_ids
-
-    def render(self, row, add_generation_prompt) -> str:
-        return render(self.tokenizer, row.messages, row.tools, add_generation_prompt)
+def decode(tokenizer, ids) -> str:
+    """Tokens to text, exactly: special tokens kept, no clean-up of spaces."""
+    return tokenizer.decode(ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
 
 
-def stop_token_ids(model, tokenizer) -> set[int]:
-    """Tokens that end an assistant turn: of eos, the generation config's eos list, <|im_end|> and
-    <|eot_id|>, those the chat template itself writes right after an assistant message. Another
-    (Qwen2.5's <|endoftext|>, say) would leave a turn that the template re-renders differently, so
-    the rows could not be extended; sampled mid-turn, it is text like any other."""
-    ids = {tokenizer.eos_token_id}
-    gen_eos = getattr(model.generation_config, "eos_token_id", None)
-    ids.update(gen_eos if isinstance(gen_eos, list) else [gen_eos])
-    ids.update(tokenizer.convert_tokens_to_ids(t) for t in ("<|im_end|>", "<|eot_id|>") if t in tokenizer.get_vocab())
+def encode(tokenizer, text) -> list[int]:
+    """Text to tokens, no special tokens added (the chat template writes them)."""
+    return tokenizer(text, add_special_tokens=False).input_ids
+
+
+def stop_token_ids(tokenizer) -> set[int]:
+    """The token that ends an assistant turn: the one the chat template writes right after an
+    assistant message (<|im_end|>, <|eot_id|>, ...). Another end token (Qwen2.5's <|endoftext|>, say)
+    would leave a turn that the template re-renders differently; sampled mid-turn, it is text."""
     probe = "The answer is 42."
-    rendered = render(tokenizer, [{"role": "user", "content": "Question?"}, {"role": "assistant", "content": probe}],
-                      [], add_generation_prompt=False)
-    after = rendered[rendered.rindex(probe) + len(probe):]       # what the template writes to close the turn
-    stops = {i for i in ids if i is not None and after.startswith(tokenizer.decode([i]))}
-    assert stops, f"no stop token candidate ({sorted(i for i in ids if i is not None)}) closes a turn in this chat template"
-    return stops
+    rendered = render(tokenizer, [{"role": "user", "content": "Question?"},
+                                  {"role": "assistant", "content": probe}], [], add_generation_prompt=False)
+    closing = encode(tokenizer, rendered[rendered.rindex(probe) + len(probe):])
+    assert closing, "the chat template writes nothing after an assistant message: no token ends a turn"
+    return {closing[0]}
 
 
 def _sample(logits, sampling: Sampling, generator) -> torch.Tensor:
-    """Next tokens (B,) from logits (B, V): greedy, or temperature + nucleus (top-p) sampling."""
+    """Next tokens (B,) from logits (B, V): greedy, or sampled at the temperature."""
     if sampling.greedy:
         return logits.argmax(-1)
     probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)     # (B, V)
-    if sampling.top_p < 1.0:   # keep the smallest set of tokens whose mass reaches top_p
-        sorted_p, order = probs.sort(dim=-1, descending=True)
-        drop = sorted_p.cumsum(-1) - sorted_p >= sampling.top_p                # mass before this token
-        probs = torch.zeros_like(probs).scatter_(-1, order, sorted_p.masked_fill(drop, 0.0))
     # the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a sample from p (the Gumbel-max
     # trick in another guise), cheaper than torch.multinomial over a large V
     race = torch.empty_like(probs).exponential_(1.0, generator=generator)     # (B, V)
@@ -291,7 +251,7 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, on_message=None, max_rows=None) -> list[TrajectoryGroup]:
+                   make_env=None, forced_turns=None, max_rows=None) -> list[TrajectoryGroup]:
     """N trajectories for each task, decoded in one batch (the steps in the module docstring): one
     TrajectoryGroup per task, in task order, with its tree. The same seed gives the same trajectories.
 
@@ -299,7 +259,6 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         .submitted_sql, .correct, .num_tool_errors.
     forced_turns: a test hook: forced_turns[i][k] is a text row i (task-major: task g, sample j is
         row g*n + j) emits at the start of turn k instead of sampling; its log-probs are the model's.
-    on_message: on_message(row, message), called as a row records an assistant turn or a tool message.
     max_rows: at most this many rows decode at once (default: all G*N); the others join at flushes,
         in task order, in the places of finished rows (continuous batching)."""
     if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
@@ -307,18 +266,19 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     was_training, device = model.training, model.device
     model.eval()
     generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    stop_ids, pad_id, chat = stop_token_ids(model, tokenizer), tokenizer.pad_token_id or 0, _Chat(tokenizer)
+    stop_ids, pad_id = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
     forward = CachedForward(model, sampling.weight_dtype)
 
-    with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py says why)
+    with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
-        rows, prompts = _start_rows(tasks, n, chat, limits, make_env or SQLEnv, forced_turns, on_message)
-        prefix, prefix_len = KVCache(model.config), common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
+        rows, prompts = _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv, forced_turns)
+        prefix = KVCache(model.config)
+        prefix_len = common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
         forward(torch.tensor([prompts[0][:prefix_len]], device=device),
                 torch.ones((1, prefix_len), dtype=torch.long, device=device), prefix)
         for r, row in enumerate(rows):
-            row.pending = prompts[r // n][prefix_len:]     # the rows' first feed: at least one token of their own
+            row.pending = prompts[r // n][prefix_len:]     # the first feed: at least one token of its own
 
         cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
         mask = torch.zeros((0, 0), dtype=torch.long, device=device)       # (B, S): 1 real token, 0 hole
@@ -330,16 +290,17 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             # 2) every active row that is mid-turn takes its next token: forced, greedy or sampled
             feed = {}                       # r -> tokens to feed in the next forward
             if active:
-                chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling, generator)
+                chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling,
+                                                               generator)
             # 3) end turns: run tools, queue the appended tokens, close finished rows
             for b, r in enumerate(active):
                 row = rows[r]
                 if row.pending:             # waiting for the flush: not mid-turn, fed a hole
                     continue
                 if not finite[b]:           # an overflow upstream: no token to take, the row ends here
-                    _end_turn(row, limits, chat, truncated="non_finite_logits")
+                    _end_turn(row, limits, tokenizer, truncated="non_finite_logits")
                     continue
-                _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, chat)
+                _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, tokenizer)
                 if row.pending:
                     row.pending.insert(0, chosen[b])      # the call's last token is not in the cache yet
                 elif not row.stop_reason:
@@ -360,10 +321,11 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
                 mask = pack_left(cache, mask)
                 joining = [waiting.pop() for _ in range(min(len(waiting), max_rows - len(active)))]
                 if joining:
-                    cache.add_rows(prefix, len(joining))          # the prefix, then holes up to the cache's width
+                    cache.add_rows(prefix, len(joining))    # the prefix, then holes up to the cache's width
                     width = cache.get_seq_length()
-                    new_mask = (torch.arange(width, device=device) < prefix_len).long().expand(len(joining), -1)
-                    mask = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])), new_mask])   # holes to the width
+                    new_mask = (torch.arange(width, device=device) < prefix_len).long()
+                    new_mask = new_mask.expand(len(joining), -1)
+                    mask = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])), new_mask])
                     active += joining
                 for r in active:
                     feed[r], rows[r].pending = rows[r].pending, []
@@ -373,13 +335,14 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
             # 6) one forward for all rows over what they were fed; logits for each row's last token. At a
             #    flush, rows with the same tokens so far (one node of their group's tree) get the same
             #    cache row and logits: one of each is fed (`firsts`), then copied (`which`)
-            firsts, which = _distinct_histories([rows[r] for r in active]) if flush else (range(len(active)), None)
+            firsts, which = (_distinct_histories([rows[r] for r in active]) if flush
+                             else (range(len(active)), None))
             shared = len(firsts) < len(active)
             if shared:
                 cache.batch_select_indices(torch.tensor(firsts, device=device))
                 mask = mask[firsts]
-            ids, new_mask = right_aligned([feed.get(active[b], []) for b in firsts], pad_id, device)   # (B, W) each
-            mask = torch.cat([mask, new_mask], dim=1)                                                  # (B, S+W)
+            ids, new_mask = right_aligned([feed.get(active[b], []) for b in firsts], pad_id, device)  # (B, W)
+            mask = torch.cat([mask, new_mask], dim=1)                                            # (B, S+W)
             logits = forward(ids, mask, cache)                    # (B, V); a waiting row's are unused
             if shared:
                 index = torch.tensor(which, device=device)
@@ -404,30 +367,30 @@ def _distinct_histories(rows):
     return firsts, which
 
 
-def _start_rows(tasks, n, chat, limits, make_env, forced_turns, on_message=None):
+def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns):
     """The rows of a rollout, task-major (task g, sample j is row g*n + j), each with its own
     environment and the task's prompt: system prompt with the tools, the demonstration, the
     question, through the chat template. Returns (rows, one prompt's token ids per task)."""
     rows, prompts = [], []
-    inline_tools = not template_takes_tools(chat.tokenizer)
+    inline_tools = not template_takes_tools(tokenizer)
     for task in tasks:
         envs = [make_env(task) for _ in range(n)]
         messages = build_messages(task, envs[0].tools, inline_tools=inline_tools)
-        prompt = chat.encode(render(chat.tokenizer, messages, envs[0].tools, add_generation_prompt=True))
-        assert len(prompt) < limits.max_context, f"prompt of {len(prompt)} tokens exceeds max_context={limits.max_context}"
+        prompt = encode(tokenizer, render(tokenizer, messages, envs[0].tools, add_generation_prompt=True))
+        assert len(prompt) < limits.max_context, \
+            f"prompt of {len(prompt)} tokens exceeds max_context={limits.max_context}"
         prompts.append(prompt)
         for env in envs:
-            forced = [chat.encode(text) for text in forced_turns[len(rows)]] if forced_turns else []
-            hook = (lambda message, row=len(rows): on_message(row, message)) if on_message else None
+            forced = [encode(tokenizer, text) for text in forced_turns[len(rows)]] if forced_turns else []
             rows.append(_Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
                              [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
-                             text_len=len(chat.decode(prompt)), turns=[(len(prompt), len(messages))], on_message=hook))
+                             text_len=len(decode(tokenizer, prompt)), turns=[(len(prompt), len(messages))]))
     return rows, prompts
 
 
 def _next_tokens(logits, rows, sampling, generator):
     """A token for each row from its logits (B, V): greedy or sampled, or the row's forced token.
-    Log-probs under the raw distribution (temperature 1, no top-p). Returns (tokens, log-probs,
+    Log-probs under the raw distribution (temperature 1). Returns (tokens, log-probs,
     finite), B each."""
     logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, V)
     chosen = _sample(logits, sampling, generator)                                     # (B,)
@@ -444,19 +407,20 @@ def _forced_token(row) -> int | None:
     return row.forced[turn][done] if turn < len(row.forced) and done < len(row.forced[turn]) else None
 
 
-def _take_token(row, token, logprob, stop_ids, limits, chat):
+def _take_token(row, token, logprob, stop_ids, limits, tokenizer):
     """Append a sampled token to a mid-turn row; end the turn on a stop token, a closed tool call
     (looked for in this turn's tokens only), or a limit."""
     row.token_ids.append(token)
     row.mask.append(1)
     row.logprobs.append(logprob)
     eos = token in stop_ids
-    if eos or "</tool_call>" in chat.decode(row.token_ids[max(row.turn_start, len(row.token_ids) - 12):]):
-        _end_turn(row, limits, chat, truncated=None, eos=eos)
+    recent = row.token_ids[max(row.turn_start, len(row.token_ids) - 12):]
+    if eos or "</tool_call>" in decode(tokenizer, recent):
+        _end_turn(row, limits, tokenizer, truncated=None, eos=eos)
     elif len(row.token_ids) - row.turn_start >= limits.max_new_tokens:
-        _end_turn(row, limits, chat, truncated="max_new_tokens")
+        _end_turn(row, limits, tokenizer, truncated="max_new_tokens")
     elif len(row.token_ids) >= limits.max_context:
-        _end_turn(row, limits, chat, truncated="max_context")
+        _end_turn(row, limits, tokenizer, truncated="max_context")
 
 
 def _trajectory(row) -> Trajectory:
@@ -468,18 +432,18 @@ def _trajectory(row) -> Trajectory:
                       failed_submission=getattr(row.env, "submit_error", None) is not None, turns=row.turns)
 
 
-def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool = False):
+def _end_turn(row: _Row, limits: Limits, tokenizer, truncated: str | None, eos: bool = False):
     """Close the assistant turn that just ended: record the message, run the tool, then either
     queue the next turn's tokens in row.pending or finish the row (row.stop_reason)."""
     # the turn's text, decoded in context (exact for any tokenizer), minus a sampled stop token
     sampled_end = len(row.token_ids) - 1 if eos else len(row.token_ids)
-    content = chat.decode(row.token_ids[:sampled_end])[row.text_len:]
-    _record(row, {"role": "assistant", "content": content})
+    content = decode(tokenizer, row.token_ids[:sampled_end])[row.text_len:]
+    row.messages.append({"role": "assistant", "content": content})
     row.num_turns += 1
     if truncated:
-        return _finish(row, truncated, chat)
+        return _finish(row, truncated, tokenizer)
     if "<tool_call>" not in content:                # a final answer without submission: scores wrong
-        return _finish(row, "no_tool_call", chat)
+        return _finish(row, "no_tool_call", tokenizer)
     row.num_tool_calls += 1
     try:
         name, args = parse_tool_call(content)
@@ -487,49 +451,42 @@ def _end_turn(row: _Row, limits: Limits, chat, truncated: str | None, eos: bool 
     except ToolCallError as e:
         row.num_parse_errors += 1
         observation = f'Error: {e}. Write <tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>'
-    _record(row, {"role": "tool", "content": observation})
+    row.messages.append({"role": "tool", "content": observation})
     if row.env.done:
-        return _finish(row, "submitted", chat)
+        return _finish(row, "submitted", tokenizer)
     if row.num_turns >= limits.max_turns:
-        return _finish(row, "max_turns", chat)
+        return _finish(row, "max_turns", tokenizer)
     # the new tokens: end of turn + tool message + next assistant header, as the template renders them
-    text = chat.decode(row.token_ids)
-    rendered = chat.render(row, add_generation_prompt=True)
+    text = decode(tokenizer, row.token_ids)
+    rendered = render(tokenizer, row.messages, row.tools, add_generation_prompt=True)
     assert rendered.startswith(text), "the chat template re-renders earlier turns differently; cannot append"
-    suffix = chat.encode(rendered[len(text):])
+    suffix = encode(tokenizer, rendered[len(text):])
     if len(row.token_ids) + len(suffix) + 1 > limits.max_context:
         row.messages.pop()                          # no room for the tool result and one more token
-        return _finish(row, "max_context", chat)
+        return _finish(row, "max_context", tokenizer)
     row.pending = suffix
     row.token_ids += suffix
     row.mask += [0] * len(suffix)
     row.logprobs += [0.0] * len(suffix)
-    row.turn_start, row.text_len = len(row.token_ids), len(chat.decode(row.token_ids))
+    row.turn_start, row.text_len = len(row.token_ids), len(decode(tokenizer, row.token_ids))
     row.turns.append((row.turn_start, len(row.messages)))
 
 
-def _record(row: _Row, message: dict):
-    """Add a message to the row's conversation, and show it to the caller's hook if there is one."""
-    row.messages.append(message)
-    if row.on_message:
-        row.on_message(message)
-
-
-def _finish(row: _Row, reason: str, chat):
+def _finish(row: _Row, reason: str, tokenizer):
     """Stop the row; append the closing tokens (end of turn, last tool message) the template
     renders, so decode(token_ids) equals the rendering of messages. They are never fed to the model."""
     row.stop_reason = reason
-    text = chat.decode(row.token_ids)
-    rendered = chat.render(row, add_generation_prompt=False)
+    text = decode(tokenizer, row.token_ids)
+    rendered = render(tokenizer, row.messages, row.tools, add_generation_prompt=False)
     assert rendered.startswith(text), "the chat template re-renders earlier turns differently"
-    closing = chat.encode(rendered[len(text):])
+    closing = encode(tokenizer, rendered[len(text):])
     row.token_ids += closing
     row.mask += [0] * len(closing)
     row.logprobs += [0.0] * len(closing)
 
 
 # ----------------------------------------------------------------------------- demonstrations (SFT)
-DEMO_TURNS = 4     # the assistant turns a demonstration needs: list, describe (at least one table), run, submit
+DEMO_TURNS = 4     # the assistant turns a demonstration needs: list, describe (a table or more), run, submit
 
 
 def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) -> Trajectory:
@@ -537,22 +494,23 @@ def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) 
     assistant turn, each ending in </tool_call>), built with the tokenizer alone: the same
     prompt, the same appended tool tokens and masks as rollout_groups(forced_turns=[turns]),
     with no forward pass. sampled_logprobs are 0.0 (unknown without the model). For SFT."""
-    chat, env = _Chat(tokenizer), (make_env or SQLEnv)(task)
+    env = (make_env or SQLEnv)(task)
     messages = build_messages(task, env.tools, inline_tools=not template_takes_tools(tokenizer))
-    prompt = chat.encode(render(tokenizer, messages, env.tools, add_generation_prompt=True))
+    prompt = encode(tokenizer, render(tokenizer, messages, env.tools, add_generation_prompt=True))
     row = _Row(task, env, env.tools, messages, list(prompt), [0] * len(prompt), [0.0] * len(prompt), [],
-               turn_start=len(prompt), text_len=len(chat.decode(prompt)), turns=[(len(prompt), len(messages))])
+               turn_start=len(prompt), text_len=len(decode(tokenizer, prompt)),
+               turns=[(len(prompt), len(messages))])
     for text in turns:
         assert not row.stop_reason, f"turn {text!r} comes after the episode ended ({row.stop_reason})"
-        ids = chat.encode(text)
+        ids = encode(tokenizer, text)
         assert len(ids) < limits.max_new_tokens, f"turn of {len(ids)} tokens exceeds max_new_tokens"
         row.token_ids += ids
         row.mask += [1] * len(ids)
         row.logprobs += [0.0] * len(ids)
-        _end_turn(row, limits, chat, truncated=None)
+        _end_turn(row, limits, tokenizer, truncated=None)
         row.pending = []            # the engine would feed these; here they are already in token_ids
     if not row.stop_reason:
-        _finish(row, "max_turns", chat)
+        _finish(row, "max_turns", tokenizer)
     return _trajectory(row)
 
 
@@ -564,7 +522,8 @@ def gold_turns(task, max_turns=None) -> list[str]:
     assert max_turns is None or max_turns >= DEMO_TURNS, f"a demonstration needs {DEMO_TURNS} turns"
     tables = tables_read(task.db_path, task.gold_sql)
     room = len(tables) if max_turns is None else max_turns - 3
-    return ([tool_call_text("list_tables", {})] + [tool_call_text("describe_table", {"table": t}) for t in tables[:room]]
+    return ([tool_call_text("list_tables", {})]
+            + [tool_call_text("describe_table", {"table": t}) for t in tables[:room]]
             + [tool_call_text(name, {"query": task.gold_sql}) for name in ("run_sql", "submit_answer")])
 
 

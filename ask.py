@@ -29,7 +29,8 @@ def short_view(text, max_lines=6, width=100) -> str:
     """The first lines of a text, each cut to `width` characters, saying how many were left out."""
     lines = text.split("\n")
     shown = [line if len(line) <= width else line[:width - 3] + "..." for line in lines[:max_lines]]
-    return "\n".join(shown + ([f"... ({len(lines) - max_lines} more lines)"] if len(lines) > max_lines else []))
+    return "\n".join(shown + ([f"... ({len(lines) - max_lines} more lines)"] if len(lines) > max_lines
+                              else []))
 
 
 def show_message(message, turn) -> str:
@@ -40,7 +41,8 @@ def show_message(message, turn) -> str:
     try:
         name, args = parse_tool_call(message["content"])
     except ToolCallError as e:
-        return f"  {turn:>2}. no usable tool call ({e}):\n" + textwrap.indent(short_view(message["content"], 3), "       ")
+        return (f"  {turn:>2}. no usable tool call ({e}):\n"
+                + textwrap.indent(short_view(message["content"], 3), "       "))
     plain = all(isinstance(v, str) for v in args.values())
     return (f"  {turn:>2}. {name}  " + (" ".join(args.values()) if plain else json.dumps(args))).rstrip()
 
@@ -49,13 +51,12 @@ def ask(model, tokenizer, db_path, question, limits=Limits(max_turns=4, max_new_
     """One greedy episode on a question about any SQLite database, printed as it happens (each tool
     call, a short view of each observation), then the submitted query and its result rows, run
     again in the sandbox, or "no answer" and why. The question has no gold SQL: nothing is scored."""
-    task, turns = Task("ask", db_path, question, gold_sql=None), []
-
-    def show(row, message):
-        turns.append(message["role"] == "assistant")
-        print(show_message(message, sum(turns)), flush=True)
-
-    trajectory = rollout_group(model, tokenizer, task, 1, Sampling(greedy=True), limits, on_message=show).trajectories[0]
+    task = Task("ask", db_path, question, gold_sql=None)
+    trajectory = rollout_group(model, tokenizer, task, 1, Sampling(greedy=True), limits).trajectories[0]
+    turn = 0
+    for message in trajectory.messages[trajectory.turns[0][1]:]:     # after the prompt
+        turn += message["role"] == "assistant"
+        print(show_message(message, turn), flush=True)
     if trajectory.submitted_sql is None:
         print(f"no answer: {NO_ANSWER.get(trajectory.stop_reason, trajectory.stop_reason)}")
     else:
@@ -77,12 +78,16 @@ def questions_from_stdin():
 
 
 def main(argv=None) -> list[Trajectory]:
-    p = argparse.ArgumentParser(description="Ask an agent questions about a SQLite database: one greedy episode "
-                                            "per question, printed as it happens.")
-    p.add_argument("question", nargs="?", help="the question; without one, questions are read from standard input")
-    p.add_argument("--db", required=True, help="the SQLite file to ask about (opened read-only, in the sandbox)")
-    p.add_argument("--adapter", help="an adapter folder, or a run folder (its final adapter, else latest checkpoint)")
-    p.add_argument("--model", help="the base model (hub id or folder); default: the adapter's, else the embedded one")
+    p = argparse.ArgumentParser(description="Ask an agent questions about a SQLite database: "
+                                            "one greedy episode per question, printed as it happens.")
+    p.add_argument("question", nargs="?",
+                   help="the question; without one, questions are read from standard input")
+    p.add_argument("--db", required=True,
+                   help="the SQLite file to ask about (opened read-only, in the sandbox)")
+    p.add_argument("--adapter",
+                   help="an adapter folder, or a run folder (its final adapter, else latest checkpoint)")
+    p.add_argument("--model",
+                   help="the base model (hub id or folder); default: the adapter's, else the embedded one")
     p.add_argument("--max-turns", type=int, default=4, help="assistant turns per episode")
     p.add_argument("--max-new-tokens", type=int, default=256, help="tokens per turn")
     p.add_argument("--max-context", type=int, default=4096, help="tokens per episode, prompt included")
@@ -102,10 +107,12 @@ def main(argv=None) -> list[Trajectory]:
         try:
             lora.load_adapter(model, adapter)
         except (AssertionError, RuntimeError) as e:     # the adapter was trained on another base model
-            raise SystemExit(f"error: the adapter {adapter} does not fit {model_name or lora.EMBEDDED_NAME}: {e}") from None
-    print(f"database: {args.db} ({len(tables)} table{'s' * (len(tables) != 1)}) | model: {model_name or lora.EMBEDDED_NAME}"
-          f" | adapter: {adapter or 'none'}")
-    limits = Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens, max_context=args.max_context)
+            raise SystemExit(f"error: the adapter {adapter} does not fit "
+                             f"{model_name or lora.EMBEDDED_NAME}: {e}") from None
+    print(f"database: {args.db} ({len(tables)} table{'s' * (len(tables) != 1)})"
+          f" | model: {model_name or lora.EMBEDDED_NAME} | adapter: {adapter or 'none'}")
+    limits = Limits(max_turns=args.max_turns, max_new_tokens=args.max_new_tokens,
+                    max_context=args.max_context)
     trajectories = []
     for question in [args.question] if args.question is not None else questions_from_stdin():
         print(f"question: {question}")

@@ -32,10 +32,12 @@ def save(run_dir, model, optimizer, scaler, step, task_stats, keep=2):
     with atomic_folder(final) as tmp:
         lora.save_adapter(model, tmp)
         state = {"step": step, "optimizer": optimizer.state_dict(), "task_stats": task_stats,
-                 "scaler": scaler.state_dict(), "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
+                 "scaler": scaler.state_dict(),
+                 "rng": {"torch": torch.get_rng_state(), "python": random.getstate()}}
         torch.save(state, os.path.join(tmp, "trainer_state.pt"))
     write_text_atomic(os.path.join(run_dir, "checkpoints", "latest"), os.path.basename(final))
-    finished = sorted(int(name[5:]) for name in os.listdir(os.path.dirname(final)) if re.fullmatch(r"step_\d+", name))
+    finished = sorted(int(name[5:]) for name in os.listdir(os.path.dirname(final))
+                      if re.fullmatch(r"step_\d+", name))
     for old in finished[:-keep]:
         shutil.rmtree(os.path.join(run_dir, "checkpoints", f"step_{old:04d}"), ignore_errors=True)
     return final

@@ -55,7 +55,8 @@ def behaviour(trajectories):
     submitted = [t for t in trajectories if t.stop_reason == "submitted"]
     return {
         "submit_rate": len(submitted) / len(trajectories),
-        "failed_submit_rate": sum(t.failed_submission for t in submitted) / len(submitted) if submitted else None,
+        "failed_submit_rate": (sum(t.failed_submission for t in submitted) / len(submitted)
+                               if submitted else None),
         "describe_rate": sum(t.num_describe_calls > 0 for t in trajectories) / len(trajectories),
         "turns_to_submit": sum(t.num_turns for t in submitted) / len(submitted) if submitted else None,
     }
@@ -64,8 +65,9 @@ def behaviour(trajectories):
 def episode_record(task, t):
     """One episode as the run folder keeps it (trajectories/, evals/): the task, what was
     submitted, whether it was right, why it ended, and the conversation."""
-    return {"task_id": task.id, "difficulty": task.difficulty, "question": task.question, "gold_sql": task.gold_sql,
-            "submitted_sql": t.submitted_sql, "correct": t.correct, "stop_reason": t.stop_reason, "messages": t.messages}
+    return {"task_id": task.id, "difficulty": task.difficulty, "question": task.question,
+            "gold_sql": task.gold_sql, "submitted_sql": t.submitted_sql, "correct": t.correct,
+            "stop_reason": t.stop_reason, "messages": t.messages}
 
 
 def on_cpu_only(weight_dtype, device):
@@ -86,10 +88,12 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, processes=
     greedy = agentrl.Sampling(greedy=True, weight_dtype=on_cpu_only(weight_dtype, model.device))
 
     def episodes(share):
-        return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits, max_rows=max_rows)]
+        return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits,
+                                                                  max_rows=max_rows)]
     if processes > 1 and model.device.type == "cpu":
         was_training = model.training
-        model.eval()            # merged once, here, as generation runs (lora_merged): the children read these weights
+        # merged once, here, as generation runs (lora_merged): the children read these weights
+        model.eval()
         try:
             with lora.lora_merged(model, greedy.weight_dtype):
                 trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
@@ -97,9 +101,11 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, processes=
             model.train(was_training)
     else:
         trajectories = episodes(mine)
-    trajectories = [t for share in parallel.gather(trajectories) for t in share]   # every process's, in task order
+    # every process's, in task order
+    trajectories = [t for share in parallel.gather(trajectories) for t in share]
     if path and parallel.is_main():
-        write_text_atomic(path, "".join(json.dumps(episode_record(task, t)) + "\n" for task, t in zip(tasks, trajectories)))
+        write_text_atomic(path, "".join(json.dumps(episode_record(task, t)) + "\n"
+                                        for task, t in zip(tasks, trajectories)))
     by_tier = {}
     for task, t in zip(tasks, trajectories):
         by_tier.setdefault(task.difficulty, []).append(t.correct)
@@ -141,15 +147,16 @@ def format_eval(metrics):
         return "-" if metrics.get(key) is None else f"{metrics[key]:.2f}"
     tiers = " ".join(f"{tier}={acc:.2f}" for tier, acc in metrics["eval_accuracy_by_tier"].items())
     return (f"accuracy={metrics['eval_accuracy']:.3f} ({metrics['eval_tasks']} tasks) | {tiers} | "
-            f"turns={metrics['eval_mean_turns']:.2f} | tool_error_rate={metrics['eval_tool_error_rate']:.2f} | "
-            f"failed_submit_rate={rate('eval_failed_submit_rate')} | describe_rate={rate('eval_describe_rate')} | "
-            f"turns_to_submit={rate('eval_turns_to_submit')}")
+            f"turns={metrics['eval_mean_turns']:.2f} | tool_error_rate={metrics['eval_tool_error_rate']:.2f}"
+            f" | failed_submit_rate={rate('eval_failed_submit_rate')} | "
+            f"describe_rate={rate('eval_describe_rate')} | turns_to_submit={rate('eval_turns_to_submit')}")
 
 
 def format_evals(record, splits):
     """One line per held-out split, the split's name first."""
     width = max(map(len, splits)) + 1
-    return "\n".join(f"  {split + ':':<{width}} {format_eval(split_metrics(record, split))}" for split in splits)
+    return "\n".join(f"  {split + ':':<{width}} {format_eval(split_metrics(record, split))}"
+                     for split in splits)
 
 
 def format_history(records, splits):
@@ -186,7 +193,8 @@ def paired_difference(before, after, resamples=10_000, seed=0, clusters=None):
         assert len(clusters) == len(diffs), "one cluster label per task"
         index = np.unique(np.asarray(clusters), return_inverse=True)[1].ravel()    # (n,) each task's cluster
         sums, sizes = np.bincount(index, weights=diffs), np.bincount(index)      # (C,) per cluster
-        pick = rng.integers(0, len(sums), (resamples, len(sums)))                # C clusters drawn, with replacement
+        # C clusters drawn, with replacement
+        pick = rng.integers(0, len(sums), (resamples, len(sums)))
         means = sums[pick].sum(1) / sizes[pick].sum(1)                           # the mean over their tasks
     low, high = np.percentile(means, [2.5, 97.5])
     gained, lost = int((diffs > 0).sum()), int((diffs < 0).sum())
@@ -213,7 +221,8 @@ def paired_line(before, after, templates=None) -> str:
     b, a = [before[t] for t in tasks], [after[t] for t in tasks]
     mean, (low, high), p = paired_difference(b, a)
     gained, lost = sum(x < y for x, y in zip(b, a)), sum(x > y for x, y in zip(b, a))
-    line = f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: {100 * mean:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}]"
+    line = (f"{sum(b) / len(tasks):.3f} -> {sum(a) / len(tasks):.3f} on {len(tasks)} tasks: "
+            f"{100 * mean:+.1f} points [{100 * low:+.1f}, {100 * high:+.1f}]")
     if templates:
         labels = [templates[t] for t in tasks]
         _, (low, high), _ = paired_difference(b, a, clusters=labels)

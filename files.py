@@ -10,8 +10,8 @@ after a kill, sees the old file or the new one, never a torn one.
     with atomic_folder("runs/x/checkpoints/step_0001") as tmp:
         ...                                              # fill the folder; it appears whole
 
-It also holds `common_prefix_length`, the one longest-common-prefix helper (prompts, shared
-prefixes, the judge's shared messages). It imports nothing of the project's, so every other
+It also holds `common_prefix_length`, the one longest-common-prefix helper (the rollout's shared
+prompt, the report's shared messages). It imports nothing of the project's, so every other
 module may use it.
 """
 import json
@@ -74,13 +74,7 @@ def read_jsonl(path, skip_unreadable=False):
 
 
 def common_prefix_length(sequences, limit=None) -> int:
-    """How many leading items every sequence shares (tokens, or messages as (role, content)
-    keys), at most `limit`: the one copy behind the rollout's shared prompt, the update's shared
-    prefix and the judge's shared block.
-
-    >>> common_prefix_length([[1, 2, 3], [1, 2, 4], [1, 2]])
-    2
-    """
+    """How many leading items every sequence shares, at most `limit`: [[1, 2, 3], [1, 2, 4]] -> 2."""
     length = min(map(len, sequences)) if limit is None else min(limit, *map(len, sequences))
     first = sequences[0]
     for other in sequences[1:]:

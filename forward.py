@@ -61,7 +61,8 @@ def pack(tree, rows):
     for here, path in visible_runs:
         if here:
             visible[here[0]:here[-1] + 1, path] = True                                  # every ancestor token
-            visible[here[0]:here[-1] + 1, here[0]:here[-1] + 1] = torch.ones(len(here), len(here)).tril().bool()
+            causal = torch.ones(len(here), len(here)).tril().bool()
+            visible[here[0]:here[-1] + 1, here[0]:here[-1] + 1] = causal
     return torch.tensor(ids), torch.tensor(positions), visible, torch.tensor(before), [index[r] for r in rows]
 
 
@@ -84,8 +85,11 @@ def tree_logprobs(model, tree, trajectories, rows, chunk_size=512):
     """
     device = next(model.parameters()).device
     ids, positions, visible, before, index = pack(tree, rows)
+    # one trajectory is a chain, its mask the causal one: passing none lets SDPA take its causal path,
+    # which skips the masked half instead of computing every (U, U) entry
+    mask = None if len(rows) == 1 else visible[None, None].to(device)
     hidden = model.base_model(input_ids=ids[None].to(device), position_ids=positions[None].to(device),
-                              attention_mask=visible[None, None].to(device), use_cache=False).last_hidden_state[0]  # (U, H)
+                              attention_mask=mask, use_cache=False).last_hidden_state[0]  # (U, H)
     # token u is predicted by the hidden state of the token before it (before[u]); a log-prob is
     # wanted where some row trains the token
     trained = torch.zeros(len(ids), dtype=torch.bool)
@@ -112,45 +116,38 @@ def tree_logprobs(model, tree, trajectories, rows, chunk_size=512):
 
 def collate(trajectories, advantages, device):
     """Right-pad trajectories into a batch: mask (B, T) 1.0 on trained tokens; old_logprobs (B, T)
-    the rollout's; advantages (B,); sequence_tokens (B,) each trajectory's trained tokens."""
+    the rollout's; advantages (B,)."""
     T = max(len(t.token_ids) for t in trajectories)
     for t in trajectories:
-        assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), "trajectory fields differ in length"
+        assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), \
+            "trajectory fields differ in length"
         assert t.assistant_mask[0] == 0, "the first token is never predicted, so it cannot be trained"
 
     def pad(rows):
-        return torch.tensor([list(r) + [0] * (T - len(r)) for r in rows], dtype=torch.float32, device=device)  # (B, T)
+        return torch.tensor([list(r) + [0] * (T - len(r)) for r in rows], dtype=torch.float32,
+                            device=device)  # (B, T)
 
     return {"mask": pad([t.assistant_mask for t in trajectories]),
             "old_logprobs": pad([t.sampled_logprobs for t in trajectories]),
-            "advantages": torch.tensor(advantages, dtype=torch.float32, device=device),       # (B,)
-            "sequence_tokens": torch.tensor([sum(t.assistant_mask) for t in trajectories], device=device)}  # (B,)
+            "advantages": torch.tensor(advantages, dtype=torch.float32, device=device)}       # (B,)
 
 
 # ---------------------------------------------------------------- 3) train mode and memory
 @contextmanager
 def training(model, gradient_checkpointing):
-    """The model in train mode (checkpointing acts in train mode only), each decoder layer
-    recomputed in the backward or not; given back in its own mode."""
+    """The model in train mode, each decoder layer recomputed in the backward instead of storing its
+    activations (gradient_checkpointing) or not; given back in its own mode. Checkpointing is
+    non-reentrant (it needs no input that requires grad: a frozen base with LoRA layers gets
+    gradients) and acts in train mode with grad enabled only, so rollouts are unaffected."""
     was_training = model.training
     model.train()
-    set_gradient_checkpointing(model, gradient_checkpointing)
+    # "activation": transformers 5.x's name
+    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
+    if gradient_checkpointing and not getattr(model, f"is_{kind}_checkpointing"):
+        getattr(model, f"{kind}_checkpointing_enable")({"use_reentrant": False})
+    elif not gradient_checkpointing and getattr(model, f"is_{kind}_checkpointing"):
+        getattr(model, f"{kind}_checkpointing_disable")()
     try:
         yield
     finally:
         model.train(was_training)
-
-
-def set_gradient_checkpointing(model, enabled):
-    """Recompute each decoder layer in the backward instead of storing its activations.
-
-    Non-reentrant checkpointing, which needs no input that requires grad; transformers also makes
-    the embedding output require grad, so a frozen base with LoRA layers gets gradients either way.
-    It acts only in train mode with grad enabled, so rollouts (eval, no grad) are unaffected.
-    """
-    # transformers 5.x is renaming gradient_checkpointing_* to activation_checkpointing_*: take this version's
-    kind = "activation" if hasattr(model, "activation_checkpointing_enable") else "gradient"
-    if enabled and not getattr(model, f"is_{kind}_checkpointing"):
-        getattr(model, f"{kind}_checkpointing_enable")({"use_reentrant": False})
-    elif not enabled and getattr(model, f"is_{kind}_checkpointing"):
-        getattr(model, f"{kind}_checkpointing_disable")()

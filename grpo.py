@@ -24,7 +24,7 @@ Simplifications, and why they are safe:
   (lora.lora_weights: the adapter RL started from; lora.lora_disabled: the base model): no
   second model in memory.
 - Entropy is the mean of -log p(sampled token) over trained tokens, read from the rollouts: the
-  policy's entropy in expectation at temperature 1 without top-p, a trend indicator otherwise.
+  policy's entropy in expectation at temperature 1, a trend indicator otherwise.
 
 Letters in shape comments: B sequences in a micro-batch, T tokens (right-padded).
 """
@@ -41,16 +41,16 @@ AGGREGATIONS = ("token", "sequence", "constant")
 
 @dataclass
 class GRPOConfig:
-    micro_batch_size: int = 8         # trajectories of a group per forward (their tree's nodes once); gradients add up
-    chunk_size: int | None = 512      # positions per lm_head chunk (forward.tree_logprobs); None = all at once
+    micro_batch_size: int = 8         # a group's trajectories per forward (their tree once); gradients add up
+    chunk_size: int | None = 512      # positions per lm_head chunk (forward.tree_logprobs); None: all at once
     clip_low: float = 0.2             # PPO epsilon below ratio 1 (Schulman et al. 2017)
     clip_high: float = 0.28           # above ratio 1: DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476)
     aggregation: str = "token"        # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO): policy_loss
     max_tokens: int | None = None     # Dr. GRPO's constant, the generation budget; None = the step's longest
-    kl_coef: float = 0.0              # beta of the k3 KL to the reference policy; 0 = no reference forward (DAPO)
+    kl_coef: float = 0.0              # beta of the k3 KL to the reference policy; 0: none, no forward (DAPO)
     max_grad_norm: float = 1.0        # global gradient-norm clip
     gradient_checkpointing: bool = False  # recompute layers in the backward: less memory, more time
-    amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None = weights' dtype
+    amp_dtype: torch.dtype | None = None  # autocast dtype (float16 + GradScaler on a T4); None: the weights'
 
 
 # ---------------------------------------------------------------- 1) advantages
@@ -68,10 +68,8 @@ def group_advantages(rewards, scale_by_std=True, eps=1e-6):
     A second group, all right, carries no signal:
 
     >>> advantages, counts = group_advantages([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    >>> [round(a, 3) for a in advantages[0]], advantages[1]
-    ([0.866, -0.866, 0.866, -0.866], None)
-    >>> counts["trainable_groups"], counts["zero_variance_groups"]
-    (1, 1)
+    >>> [round(a, 3) for a in advantages[0]], advantages[1], counts["zero_variance_groups"]
+    ([0.866, -0.866, 0.866, -0.866], None, 1)
     >>> group_advantages([[1.0, 0.0, 1.0, 0.0]], scale_by_std=False)[0][0]     # Dr. GRPO
     [0.5, -0.5, 0.5, -0.5]
     """
@@ -128,19 +126,13 @@ def masked_mean(x, mask):
 
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.28,
                 aggregation="token", num_sequences=None, num_tokens=None, max_tokens=None,
-                kl_coef=0.0, ref_logprobs=None, sequence_tokens=None):
+                kl_coef=0.0, ref_logprobs=None):
     """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats).
 
     logprobs (B, T) current policy (with grad); old_logprobs (B, T) rollout policy; advantages
     (B,); mask (B, T) 1 on trained tokens; ref_logprobs (B, T) reference policy, for the KL.
-    num_sequences / num_tokens are the WHOLE step's counts (default: this batch's). A caller that
-    splits a step into micro-batches passes them, so the micro-batch losses add up to the loss,
-    and the accumulated gradient to the gradient, of the step as one batch.
-    sequence_tokens (B,): each whole sequence's trained tokens, the "sequence" normalizer, for a
-    batch that holds only part of each (a segment, or the rows after it); default: the mask's.
-    stats (floats, means over this batch's trained tokens): clip_frac_low, clip_frac_high,
-    ratio_mean, kl_old (how far the policy has moved from the one that sampled), kl (to the
-    reference; None without ref_logprobs), tokens.
+    num_sequences / num_tokens: the WHOLE step's counts (default: this batch's), so micro-batch
+    losses and gradients add up to the step's. stats: means over the trained tokens.
 
     Four trajectories of one trained token each, advantages +1, +1, -1, -1, and a policy that has
     moved since the rollout: ratios pi/pi_old of 1, 1.5, 1 and 0.5. Per token, -min(r A, clip(r) A)
@@ -154,7 +146,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     (-0.12, 0.25, 0.25)
     """
     assert aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}"
-    assert logprobs.shape == old_logprobs.shape == mask.shape and advantages.shape == mask.shape[:1], "shape mismatch"
+    assert logprobs.shape == old_logprobs.shape == mask.shape, "shape mismatch"
+    assert advantages.shape == mask.shape[:1], "one advantage per sequence"
     assert kl_coef == 0 or ref_logprobs is not None, "kl_coef > 0 needs ref_logprobs"
     mask = mask.float()
     adv = advantages.float()[:, None]  # (B, 1): every token of a trajectory shares its advantage
@@ -182,8 +175,7 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     if aggregation == "token":  # DAPO: every trained token of the step weighs the same
         weights = mask / num_tokens
     elif aggregation == "sequence":  # original GRPO: mean over each sequence, then over sequences
-        lengths = mask.sum(-1) if sequence_tokens is None else sequence_tokens.float()
-        weights = mask / (lengths[:, None].clamp(min=1) * num_sequences)
+        weights = mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_sequences)
     else:  # "constant", Dr. GRPO: no length-dependent normalizer, so no bias toward long wrong answers
         assert max_tokens, "aggregation='constant' needs max_tokens"
         weights = mask / (num_sequences * max_tokens)
@@ -206,7 +198,8 @@ def sampled_entropy(trajectories):
     """The policy's entropy, estimated as the mean of -log p(sampled token) over trained tokens
     (read from the rollouts: no full-vocabulary pass; see the module docstring)."""
     tokens = sum(sum(t.assistant_mask) for t in trajectories)
-    return -sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories) / max(1, tokens)
+    total = sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories)
+    return -total / max(1, tokens)
 
 
 def normalizer_counts(batch, config):
@@ -214,26 +207,11 @@ def normalizer_counts(batch, config):
     the whole step, forwarded or not, and Dr. GRPO's constant (the step's longest if not set)."""
     masks = [sum(t.assistant_mask) for group, advantages in batch
              for t, a in zip(group.trajectories, advantages) if a is not None]
-    return {"num_sequences": len(masks), "num_tokens": sum(masks), "max_tokens": config.max_tokens or max(masks, default=0)}
+    return {"num_sequences": len(masks), "num_tokens": sum(masks),
+            "max_tokens": config.max_tokens or max(masks, default=0)}
 
 
 # ---------------------------------------------------------------- 3) one optimizer step
-def sum_gradients(params, all_reduce, counts):
-    """Data parallel: replace each parameter's gradient by its sum over the processes, and sum
-    `counts` (numbers) with them, in one all-reduce of one flat tensor; returns the summed counts,
-    so every process takes the same decision after it. A parameter without a gradient (a process
-    that forwarded nothing) adds zeros. DistributedDataParallel would synchronize every backward,
-    but each process runs its own number of micro-batches. The sum is the same on every process,
-    so all step with identical gradients and keep identical weights.
-    """
-    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads] + [torch.tensor(counts, dtype=grads[0].dtype, device=grads[0].device)])
-    all_reduce(flat)                                              # (P + len(counts),), summed in place
-    for p, g in zip(params, flat[:-len(counts)].split([g.numel() for g in grads])):
-        p.grad = g.view_as(p)
-    return flat[-len(counts):].tolist()
-
-
 def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     """Clip the gradient norm and step, unless it is not finite; returns the norm (before clipping).
     The gradients are unscaled first; on an inf/nan nothing is stepped, and an enabled scaler's
@@ -247,73 +225,68 @@ def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     return grad_norm
 
 
-def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, counts=None, all_reduce=None):
-    """One optimizer step on `batch` (batch_from_groups: [(group, advantages)]); `optimizer` holds
-    the LoRA parameters. reference_context: a context manager under which `model` is the KL
-    reference (needed when config.kl_coef > 0). scaler: a torch.amp.GradScaler, enabled for
-    fp16, a pass-through otherwise. Returns floats for logging.
-
-    Data parallel (parallel.py): each process passes its share of the step, `counts` =
-    normalizer_counts of the whole step, and `all_reduce`, summing a tensor in place over the
-    processes. Losses normalized by the whole step add up to the one-process loss, so the summed
-    gradients are its gradient. Every process takes part, even one with nothing to forward, and
-    all take the same decision: step, or skip if any had a non-finite loss.
-    """
-    assert all(math.isfinite(a) for _, advantages in batch for a in advantages if a is not None), "non-finite advantage"
+def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, counts=None,
+              sum_processes=None):
+    """One optimizer step on `batch` (batch_from_groups) for the LoRA parameters in `optimizer`.
+    reference_context: under it `model` is the KL reference (kl_coef > 0); scaler: a GradScaler,
+    a pass-through unless fp16. Returns floats for logging. Data parallel (parallel.grpo_step):
+    `counts` are the whole step's, and `sum_processes(optimizer, numbers)` sums the gradients and
+    the numbers over the processes, so that all take the same decision."""
+    assert all(math.isfinite(a) for _, adv in batch for a in adv if a is not None), "non-finite advantage"
     assert config.kl_coef == 0 or reference_context is not None, "kl_coef > 0 needs a reference_context"
     device = next(model.parameters()).device
     norm = counts or normalizer_counts(batch, config)  # over the WHOLE step (see policy_loss)
-    trained = [(t, a) for group, advantages in batch for t, a in zip(group.trajectories, advantages) if a is not None]
-    stats = {"loss": 0.0, "clip_frac_low": 0.0, "clip_frac_high": 0.0, "ratio_mean": 0.0, "kl_old": 0.0,
-             "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "", "sequences": len(trained),
-             "tokens": norm["num_tokens"] if counts is None else sum(sum(t.assistant_mask) for t, _ in trained),
-             "forwarded_sequences": 0, "forwarded_tokens": 0, "entropy": sampled_entropy([t for t, _ in trained])}
-    averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + (["kl"] if config.kl_coef > 0 else [])
-    sums = dict.fromkeys(averaged, 0.0)
-    autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
+    trained = [t for group, adv in batch for t, a in zip(group.trajectories, adv) if a is not None]
+    stats = {"loss": 0.0, "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
+             "sequences": len(trained), "tokens": sum(sum(t.assistant_mask) for t in trained),
+             "forwarded_sequences": 0, "forwarded_tokens": 0, "entropy": sampled_entropy(trained)}
+    averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + ["kl"] * (config.kl_coef > 0)
+    sums = dict.fromkeys(averaged, 0.0)    # token-weighted sums over the micro-batches
+    mbs = config.micro_batch_size
 
+    def logprobs_of(group, part):    # (B, T): the trajectories `part` of a group, one forward over their tree
+        return forward.tree_logprobs(model, group.tree, group.trajectories, part, config.chunk_size)
+
+    autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
     optimizer.zero_grad(set_to_none=True)
     try:
         with forward.training(model, config.gradient_checkpointing):
             for group, advantages in batch:
                 # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no
-                # gradient; its tokens are in the normalizer already, so its forward is skipped, unless
-                # a KL term pulls them toward the reference. One without trained tokens has nothing to forward.
+                # gradient, and is in the normalizer already: not forwarded, unless a KL term pulls it.
                 rows = [i for i, (t, a) in enumerate(zip(group.trajectories, advantages))
                         if a is not None and sum(t.assistant_mask) and (a != 0 or config.kl_coef > 0)]
-                for part in [rows[k:k + config.micro_batch_size] for k in range(0, len(rows), config.micro_batch_size)]:
-                    b = forward.collate([group.trajectories[i] for i in part], [advantages[i] for i in part], device)
+                for part in [rows[k:k + mbs] for k in range(0, len(rows), mbs)]:
+                    picked = [group.trajectories[i] for i in part]
+                    b = forward.collate(picked, [advantages[i] for i in part], device)
                     ref_logprobs = None
                     if config.kl_coef > 0:   # the reference first: its context may swap weights in place
                         with torch.no_grad(), reference_context, autocast:
-                            ref_logprobs = forward.tree_logprobs(model, group.tree, group.trajectories, part, config.chunk_size)
+                            ref_logprobs = logprobs_of(group, part)
                     with autocast:
-                        logprobs = forward.tree_logprobs(model, group.tree, group.trajectories, part, config.chunk_size)
-                    loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"], clip_low=config.clip_low,
-                                          clip_high=config.clip_high, aggregation=config.aggregation, kl_coef=config.kl_coef,
-                                          ref_logprobs=ref_logprobs, sequence_tokens=b["sequence_tokens"], **norm)
-                    if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update from this step
+                        logprobs = logprobs_of(group, part)
+                    loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"],
+                                          clip_low=config.clip_low, clip_high=config.clip_high,
+                                          aggregation=config.aggregation, kl_coef=config.kl_coef,
+                                          ref_logprobs=ref_logprobs, **norm)
+                    if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update
                         stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
                         break
                     scaler.scale(loss).backward()   # a disabled scaler returns the loss as it is
                     stats["loss"] += loss.item()
                     stats["forwarded_sequences"] += len(part)
                     stats["forwarded_tokens"] += s["tokens"]
-                    for k in averaged:  # token-weighted means over the micro-batches
-                        sums[k] += s[k] * s["tokens"]
+                    sums = {k: sums[k] + s[k] * s["tokens"] for k in sums}
                 if stats["skipped"]:
                     break
         stats.update({k: v / max(1, stats["forwarded_tokens"]) for k, v in sums.items()})
-        if all_reduce is not None:  # (the other processes wait for this one's gradients, even after a skip)
-            params = [p for group in optimizer.param_groups for p in group["params"]]
-            failed, forwarded = sum_gradients(params, all_reduce, [stats["skipped"], stats["forwarded_sequences"]])
-            if failed or not forwarded:
-                stats.update(skipped=True, skip_reason=stats["skip_reason"] or (
-                    "a non-finite loss in another process" if failed else "no trained token with a nonzero advantage"))
-        elif not stats["forwarded_sequences"] and not stats["skipped"]:
-            stats.update(skipped=True, skip_reason="no trained token with a nonzero advantage or a KL term")
-        if stats["skipped"]:
-            return stats
+        # (under data parallelism the others wait for this one's gradients, even after a skip)
+        skipped, forwarded = (sum_processes or (lambda _, numbers: numbers))(
+            optimizer, [stats["skipped"], stats["forwarded_sequences"]])
+        if skipped or not forwarded:
+            return {**stats, "skipped": True, "skip_reason": stats["skip_reason"] or (
+                "a non-finite loss in another process" if skipped
+                else "no trained token with a nonzero advantage")}
         stats["grad_norm"] = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(stats["grad_norm"]):
             stats.update(skipped=True, skip_reason=f"non-finite gradient norm ({stats['grad_norm']})")
@@ -326,9 +299,9 @@ def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, c
 def sft_step(model, optimizer, trajectories, config, scaler):
     """One supervised step: maximize log p of the assistant tokens of demonstration trajectories,
     with the RL step's tokens, masks, forward and precision, so a warm start teaches exactly the
-    format rollouts produce; the turns the trajectories share (agentrl.make_group) are forwarded
-    once. Loss = -(sum of masked log-probs) / (trained tokens of the whole step), so micro-batches
-    accumulate to the full-batch gradient. A non-finite loss or gradient skips the step. Returns
+    format rollouts produce; the turns the trajectories of one task share (agentrl.make_group) are
+    forwarded once. Loss = -(sum of masked log-probs) / (trained tokens of the whole step), so
+    micro-batches accumulate to the full-batch gradient. A non-finite loss or gradient skips the step. Returns
     {sft_loss, grad_norm, tokens, skipped} or {sft_loss, skipped, skip_reason}.
     """
     num_tokens = sum(sum(t.assistant_mask) for t in trajectories)
@@ -339,9 +312,12 @@ def sft_step(model, optimizer, trajectories, config, scaler):
     optimizer.zero_grad(set_to_none=True)
     try:
         with forward.training(model, config.gradient_checkpointing):
-            for part in [list(range(k, min(k + mbs, len(trajectories)))) for k in range(0, len(trajectories), mbs)]:
+            # the trajectories of one prompt (one task) are packed together, mbs at a time; those of
+            # different tasks share only the system prompt, so each goes alone, the causal way
+            parts = [node.rows[k:k + mbs] for node in tree.children for k in range(0, len(node.rows), mbs)]
+            for part in parts:
                 with autocast:
-                    logprobs = forward.tree_logprobs(model, tree, trajectories, part, config.chunk_size)   # (B, T)
+                    logprobs = forward.tree_logprobs(model, tree, trajectories, part, config.chunk_size)
                 mask = forward.collate([trajectories[i] for i in part], [0.0] * len(part), device)["mask"]
                 loss = -(logprobs * mask).sum() / num_tokens
                 if not torch.isfinite(loss):
@@ -350,7 +326,8 @@ def sft_step(model, optimizer, trajectories, config, scaler):
                 sft_loss += loss.item()
         grad_norm = _clip_and_step(optimizer, config.max_grad_norm, scaler)
         if not math.isfinite(grad_norm):
-            return {"sft_loss": sft_loss, "skipped": True, "skip_reason": f"non-finite gradient norm ({grad_norm})"}
+            return {"sft_loss": sft_loss, "skipped": True,
+                    "skip_reason": f"non-finite gradient norm ({grad_norm})"}
         return {"sft_loss": sft_loss, "grad_norm": grad_norm, "tokens": num_tokens, "skipped": False}
     finally:
         optimizer.zero_grad(set_to_none=True)

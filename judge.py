@@ -4,14 +4,14 @@ RULER (OpenPipe, 2025): an LLM ranks several attempts at one task against each o
 than it scores one attempt alone, and GRPO only needs scores that are right relative to the group.
 So the judge sees the whole group in one prompt and returns one score in [0, 1] per trajectory:
 
-    result = score_group([t.messages for t in group.trajectories], HTTPBackend(model="gpt-4.1-mini"))
+    result = score_group(group.tree, HTTPBackend(model="gpt-4.1-mini"))   # the group's tree (tree.Node)
     result.scores        # [0.9, 0.1, ...] in trajectory order, or None if the group is unscored
 
 What this file adds to RULER:
-1. Trie serialization: the trajectories' messages go into a trie (one node a message), and every
-   branch is printed once, labelled with the ids of the trajectories that share it; trajectory k
-   is every block whose label lists k, top to bottom (`parse_serialized` reads it back).
-   Identical trajectories are scored once and the score copied.
+1. The group printed as its tree: every node of the rollout's tree (agentrl.make_group: the
+   prompt, then a node a turn) is printed once, labelled with the ids of the trajectories through
+   it; trajectory k is every block whose label lists k, top to bottom. Identical trajectories end
+   at the same node: one id, scored once, the score copied to each.
 2. Robust parsing: the verdict is read only from the answer, after the last closing `</think>`
    (`</thinking>`, `</reasoning>`), never from the judge's reasoning, which may hold draft scores;
    reasoning that never closes means no answer (the token budget ran out mid-thought). JSON is dug
@@ -27,13 +27,12 @@ What this file adds to RULER:
    `/v1/chat/completions` protocol (OpenAI, vLLM, llama.cpp, Ollama, ...) with the standard library
    only, asks the server to shape the reply by the verdict's JSON schema, and hands a separate
    reasoning field back inline as `<think>...</think>`, so one parser reads every judge.
-   Results are cached on disk by a hash of (backend, model, prompt).
+   `CachedBackend` wraps either and keeps its replies on disk, by a hash of (model, prompt).
 5. Calibration: `agreement` measures how often the judge ranks an execution-correct trajectory
    above a wrong one in the same group (a per-group AUC); near 0.5, the judge adds noise.
 
 Simplifications, and why they are safe:
-- The trie is message-level: two turns that differ in one token are two messages.
-- Messages are compared on (role, content) only; extra keys are not part of what is judged.
+- Nodes end at turns: two turns that differ in one token are two nodes, printed whole.
 - Backoff has no jitter: one trainer talks to one endpoint.
 - A prompt longer than the local model's context is refused (unscored), never truncated: a
   relative judgement must see every trajectory it ranks.
@@ -48,11 +47,12 @@ import re
 import time
 import urllib.error
 import urllib.request
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import torch
 
-from files import common_prefix_length, read_json, write_text_atomic
+from files import read_json, write_text_atomic
+from tree import Node, build_tree
 
 # ---------------------------------------------------------------- the prompt
 # In RULER's spirit: success dominates, then efficiency, partial credit, proportional gaps.
@@ -89,7 +89,8 @@ class ParseError(ValueError):
 
 
 class ReasoningNeverClosed(ParseError):
-    """A reply whose reasoning block never closed, so it has no answer: the token budget ran out mid-thought."""
+    """A reply whose reasoning block never closed, so it has no answer: the token budget ran out
+    mid-thought."""
 
 
 @dataclass
@@ -97,19 +98,17 @@ class JudgeResult:
     scores: list[float] | None      # (N,) in the order of the conversations; None = unscored
     explanations: list[str]         # (N,) the judge's reasons; empty when unscored
     scored: bool
-    attempts: int                   # backend calls made (0 when served from the cache); attempts - 1 corrections
+    attempts: int                   # replies asked for; attempts - 1 corrections
     rescaled: str = ""              # the scale a reply above [0, 1] was read on: "0-10", "0-100", "min-max"
     error: str = ""                 # why the group is unscored, or the last error retried past
-    cached: bool = False
-    reasoning: str = ""             # the judge's reasoning before its verdict (last reply), clipped; for logs, never scored
+    reasoning: str = ""             # the last reply's pre-verdict reasoning, clipped; for logs, never scored
 
 
-# ---------------------------------------------------------------- serialization
+# ---------------------------------------------------------------- the group, printed once
 # A message is printed as a role line "[role]" followed by its content, verbatim. A block is a
 # header line "=== trajectories 1, 3 ===" followed by messages. Content lines that could be
 # read as a header (or that start with the escape character) get one "\" prepended, so the
 # text parses back unambiguously while staying readable.
-_BLOCK_RE = re.compile(r"^=== trajector(?:y|ies) (\d+(?:, \d+)*) ===$")
 _ROLE_RE = re.compile(r"^\[(\w+)\]$")
 
 
@@ -118,7 +117,8 @@ def _escape(line: str) -> str:
     return "\\" + line if needs else line
 
 
-def _render_block(ids: list[int], messages: list[dict]) -> str:
+def render_block(ids: list[int], messages: list[dict]) -> str:
+    """One block of the judge's prompt: a header naming trajectories `ids`, then the messages."""
     label = f"trajectory {ids[0]}" if len(ids) == 1 else "trajectories " + ", ".join(map(str, ids))
     lines = [f"=== {label} ==="]
     for m in messages:
@@ -129,100 +129,55 @@ def _render_block(ids: list[int], messages: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def _check(conversations: list[list[dict]]) -> None:
-    assert conversations, "a group needs at least one trajectory"
-    for i, conv in enumerate(conversations, 1):
-        assert conv, f"trajectory {i} has no messages (it needs at least its task)"
-        for m in conv:
-            assert isinstance(m.get("content"), str), f"trajectory {i}: content must be a str: {m}"
-            assert re.fullmatch(r"\w+", m.get("role", "")), f"trajectory {i}: bad role: {m}"
+def judge_ids(tree) -> list[int]:
+    """The id (1, 2, ...) the judge knows each trajectory of `tree` by, in trajectory order.
+    Identical trajectories end at the same node, so they get one id and are judged once."""
+    ends = {}
 
-
-def serialize_naive(conversations: list[list[dict]]) -> str:
-    """Every trajectory in full: the baseline cost."""
-    _check(conversations)
-    return "\n".join(_render_block([i], conv) for i, conv in enumerate(conversations, 1))
-
-
-def serialize_ruler(conversations: list[list[dict]]) -> str:
-    """RULER's layout: the messages common to *all* trajectories once, then each remainder."""
-    _check(conversations)
-    n = shared_prefix_length(conversations)
-    blocks = [_render_block(list(range(1, len(conversations) + 1)), conversations[0][:n])] if n else []
-    blocks += [_render_block([i], c[n:]) for i, c in enumerate(conversations, 1) if c[n:]]
-    return "\n".join(blocks)
-
-
-def shared_prefix_length(conversations: list[list[dict]]) -> int:
-    """How many leading messages every conversation shares, compared on (role, content): the block
-    that RULER's layout, and the trie's first block, print once for the whole group."""
-    return common_prefix_length([[_key(m) for m in c] for c in conversations])
-
-
-def _key(message: dict) -> tuple[str, str]:
-    return message["role"], message["content"]
-
-
-@dataclass
-class _Node:
-    message: dict | None
-    ids: list[int] = field(default_factory=list)                  # trajectories through here
-    children: dict[tuple, "_Node"] = field(default_factory=dict)  # insertion-ordered
-
-
-def serialize_trie(conversations: list[list[dict]]) -> str:
-    """Every branch of the message trie once, labelled with the trajectories that share it."""
-    _check(conversations)
-    root = _Node(None)
-    for i, conv in enumerate(conversations, 1):
-        node = root
-        for m in conv:
-            node = node.children.setdefault(_key(m), _Node({"role": m["role"], "content": m["content"]}))
-            node.ids.append(i)
-    blocks = []
-
-    def walk(node: _Node) -> None:
-        # Depth-first, so the blocks of one trajectory appear in conversation order. A chain
-        # of nodes shared by exactly the same trajectories is one block (path compression).
-        for child in node.children.values():
-            messages = [child.message]
-            while len(child.children) == 1 and next(iter(child.children.values())).ids == child.ids:
-                child = next(iter(child.children.values()))
-                messages.append(child.message)
-            blocks.append(_render_block(child.ids, messages))
+    def walk(node):
+        ends.update(dict.fromkeys(node.rows, node))     # a row's deepest node is its end
+        for child in node.children:
             walk(child)
 
-    walk(root)
+    walk(tree)
+    first = {}
+    return [first.setdefault(id(ends[r]), len(first) + 1) for r in sorted(ends)]
+
+
+def serialize(tree, ids) -> str:
+    """Every node of the group's tree once, depth first, labelled with the ids of the
+    trajectories through it; a chain of nodes with the same trajectories is one block."""
+    blocks = []
+
+    def walk(node):
+        for child in node.children:
+            messages = list(child.messages)
+            while len(child.children) == 1 and child.children[0].rows == child.rows:
+                child = child.children[0]
+                messages += child.messages
+            blocks.append(render_block(sorted({ids[r] for r in child.rows}), messages))
+            walk(child)
+
+    walk(tree)
     return "\n".join(blocks)
 
 
-def parse_serialized(text: str) -> list[list[dict]]:
-    """Inverse of the three serializers: trajectory k = every block listing k, in order."""
-    conversations: dict[int, list[dict]] = {}
-    ids: list[int] = []
-    message = None
-    for line in text.split("\n"):
-        block, role = _BLOCK_RE.match(line), _ROLE_RE.match(line)
-        if block:
-            ids, message = [int(x) for x in block.group(1).split(", ")], None
-        elif role:
-            assert ids, f"role line before any block header: {line!r}"
-            message = {"role": role.group(1), "content": None}
-            for i in ids:  # the same dict in every sharing trajectory: filled in below
-                conversations.setdefault(i, []).append(message)
-        else:
-            assert message is not None, f"content line outside a message: {line!r}"
-            line = line[1:] if line.startswith("\\") else line
-            message["content"] = line if message["content"] is None else message["content"] + "\n" + line
-    assert sorted(conversations) == list(range(1, len(conversations) + 1)), "ids must be 1..N"
-    return [[dict(m) for m in conversations[i]] for i in sorted(conversations)]
+def conversation_tree(conversations: list[list[dict]]) -> Node:
+    """The tree of conversations that come without a rollout's (a report, a benchmark, a test):
+    a node a message, compared on (role, content)."""
+    assert conversations, "a group needs at least one trajectory"
+    for i, conversation in enumerate(conversations, 1):
+        assert conversation, f"trajectory {i} has no messages (it needs at least its task)"
+        for m in conversation:
+            assert isinstance(m.get("content"), str) and re.fullmatch(r"\w+", m.get("role", "")), \
+                f"bad message: {m}"
+    return build_tree([[(0, [], [{"role": m["role"], "content": m["content"]}]) for m in c]
+                       for c in conversations])
 
 
-def build_prompt(conversations: list[list[dict]], rubric: str = DEFAULT_RUBRIC,
-                 serializer=serialize_trie) -> list[dict]:
+def build_prompt(tree, ids, rubric: str = DEFAULT_RUBRIC) -> list[dict]:
     """The judge's chat messages: the rubric in the system prompt, the group in the user turn."""
-    ids = ", ".join(str(i) for i in range(1, len(conversations) + 1))
-    user = f"Trajectory ids: {ids}\n\n{serializer(conversations)}"
+    user = f"Trajectory ids: {', '.join(map(str, range(1, max(ids) + 1)))}\n\n{serialize(tree, ids)}"
     return [{"role": "system", "content": SYSTEM_PROMPT.format(rubric=rubric.strip())},
             {"role": "user", "content": user}]
 
@@ -267,7 +222,8 @@ def _find_json(text: str):
             continue
         if isinstance(value, dict) and isinstance(value.get("scores"), list):
             return value["scores"]
-        if isinstance(value, list) and value and all(isinstance(e, dict) and "trajectory_id" in e for e in value):
+        if isinstance(value, list) and value and all(isinstance(e, dict) and "trajectory_id" in e
+                                                     for e in value):
             return value
     raise ParseError("no JSON object with a \"scores\" list was found")
 
@@ -328,41 +284,26 @@ def parse_scores(text: str, n: int) -> tuple[list[float], list[str]]:
 SCALES = {"0-10": 10.0, "0-100": 100.0}   # the scales judges are seen to use, smallest first
 
 
-def evident_scale(scores: list[float]) -> str:
-    """The scale a reply's (non-negative) scores are on: the smallest that holds them all.
+def unit_scale(scores: list[float]) -> tuple[list[float], str]:
+    """(the scores mapped into [0, 1] in the same order, the scale they were read on): "0-1" as they
+    are; else the smallest scale that holds them all, divided by its size; else "min-max", the lowest
+    0 and the highest 1, absolute quality lost (GRPO's per-group normalization discards it anyway).
 
-    >>> evident_scale([0, 0.5, 1]), evident_scale([1, 4, 7, 10]), evident_scale([35, 90]), evident_scale([150, 900])
-    ('0-1', '0-10', '0-100', 'min-max')
+    >>> unit_scale([0, 0.5, 1]), unit_scale([1, 4, 7, 10]), unit_scale([150, 300, 900])
+    (([0, 0.5, 1], '0-1'), ([0.1, 0.4, 0.7, 1.0], '0-10'), ([0.0, 0.2, 1.0], 'min-max'))
 
-    "min-max" means no known scale holds them. A fraction of one (0 < s < 1) beside a score
-    above 1 reads as two scales at once (0.8 on 0-1 beside 7 on 0-10): no single rescale keeps
-    that order, so it raises ParseError.
-    """
-    top = max(scores)
+    A fraction (0 < s < 1) beside a score above 1 reads as two scales at once (0.8 on 0-1 beside 7
+    on 0-10): no one rescale keeps that order, so it raises ParseError."""
+    top, low = max(scores), min(scores)
     if top <= 1:
-        return "0-1"
-    fractions = [s for s in scores if 0 < s < 1]
-    if fractions:
-        raise ParseError(f"the scores mix scales ({fractions[0]:g} beside {top:g}); score every trajectory from 0 to 1")
-    return next((name for name, size in SCALES.items() if top <= size), "min-max")
-
-
-def rescale(scores: list[float], scale: str) -> list[float]:
-    """Scores on `scale` mapped into [0, 1], their order and spacing kept.
-
-    >>> rescale([1, 4, 7, 10], "0-10"), rescale([150, 300, 900], "min-max")
-    ([0.1, 0.4, 0.7, 1.0], [0.0, 0.2, 1.0])
-
-    Min-max is the last resort: it stretches the group to fill [0, 1] (lowest 0, highest 1), so
-    absolute quality is lost, which GRPO's per-group normalization discards anyway. A group
-    whose scores are all equal has nothing to rank: 0.5 each.
-    """
-    if scale == "0-1":
-        return list(scores)
+        return list(scores), "0-1"
+    if fractions := [s for s in scores if 0 < s < 1]:
+        raise ParseError(f"the scores mix scales ({fractions[0]:g} beside {top:g}); "
+                         "score every trajectory from 0 to 1")
+    scale = next((name for name, size in SCALES.items() if top <= size), "min-max")
     if scale == "min-max":
-        low, high = min(scores), max(scores)
-        return [(s - low) / (high - low) if high > low else 0.5 for s in scores]
-    return [s / SCALES[scale] for s in scores]
+        return [(s - low) / (top - low) if top > low else 0.5 for s in scores], scale
+    return [s / SCALES[scale] for s in scores], scale
 
 
 # ---------------------------------------------------------------- how far to trust the judge
@@ -387,52 +328,22 @@ def agreement(scores: list[float], correct: list[bool]) -> float | None:
 
 
 # ---------------------------------------------------------------- scoring a group
-def deduplicate(conversations: list[list[dict]]) -> tuple[list[list[dict]], list[int]]:
-    """(unique, index): the distinct conversations in first-seen order, and for each conversation
-    the position of its copy in `unique`. The judge's prompt numbers `unique` 1, 2, ...: the
-    trajectory i of a group is the judge's trajectory index[i] + 1."""
-    unique, index, seen = [], [], {}
-    for conv in conversations:
-        key = json.dumps([_key(m) for m in conv])
-        if key not in seen:
-            seen[key] = len(unique)
-            unique.append(conv)
-        index.append(seen[key])
-    return unique, index
-
-
-def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_RUBRIC,
-                max_retries: int = 2, cache_dir: str | None = None) -> JudgeResult:
-    """Relative scores in [0, 1] for a group of trajectories that attempted the same task.
+def score_group(tree, backend, rubric: str = DEFAULT_RUBRIC, max_retries: int = 2) -> JudgeResult:
+    """Relative scores in [0, 1] for the trajectories of a group's tree (tree.Node; for bare
+    conversations, conversation_tree), in trajectory order.
 
     Never raises on a bad judge: a backend failure, or replies still unusable after
     `max_retries` corrections, give `JudgeResult(scored=False, scores=None, error=...)`.
     Scores above 1 are sent back once with a correction; a judge that insists (or one with no
     correction left) has its scores rescaled into [0, 1] in order (`rescaled` names the scale).
-    Scores come from the answer only; the last reply's reasoning is kept in `reasoning`, clipped
-    to its last REASONING_CHARS characters. A correction turn repeats the judge's answer without
-    its reasoning, as reasoning models' chat templates drop it from the history.
+    A correction turn repeats the judge's answer without its reasoning, as reasoning models'
+    chat templates drop it from the history; the last reasoning is kept, clipped, for the logs.
     """
-    _check(conversations)
     assert max_retries >= 0, "max_retries must be >= 0"
-    # 1) identical trajectories are judged once: unique[k] stands for every i with index[i] == k
-    unique, index = deduplicate(conversations)
-
-    def expand(scores, explanations, **info) -> JudgeResult:
-        return JudgeResult([scores[k] for k in index], [explanations[k] for k in index], True, **info)
-
-    # 2) the prompt, and the cache entry it would have
-    prompt = build_prompt(unique, rubric)
-    path = None
-    if cache_dir is not None:
-        digest = hashlib.sha256(json.dumps([backend.cache_id, prompt]).encode()).hexdigest()
-        path = os.path.join(cache_dir, digest[:2], digest + ".json")
-        hit = _read_cache(path)
-        if hit is not None:
-            return expand(hit["scores"], hit["explanations"], attempts=0, rescaled=hit["rescaled"], cached=True,
-                          reasoning=hit.get("reasoning", ""))
-
-    # 3) ask; on an unusable reply, or scores above 1 the first time, ask again with a short correction
+    ids = judge_ids(tree)
+    n = max(ids)
+    prompt = build_prompt(tree, ids, rubric)
+    # ask; on an unusable reply, or scores above 1 the first time, ask again with a short correction
     messages, error, range_corrected, reasoning = prompt, "", False, ""
     for attempt in range(1, max_retries + 2):
         try:
@@ -442,37 +353,27 @@ def score_group(conversations: list[list[dict]], backend, rubric: str = DEFAULT_
         reasoning, answer = split_reasoning(reply)
         reasoning, unclosed = _clip(reasoning), answer is None
         try:
-            scores, explanations = parse_scores(reply, len(unique))
-            scale = evident_scale(scores)
+            scores, explanations = parse_scores(reply, n)
+            unit, scale = unit_scale(scores)
         except ParseError as e:
             error = str(e)
         else:
             # in range; or the judge insists on its scale after a correction, or may not be asked again
             if scale == "0-1" or range_corrected or attempt == max_retries + 1:
-                scores, rescaled = rescale(scores, scale), "" if scale == "0-1" else scale
-                if path is not None:
-                    write_text_atomic(path, json.dumps({"scores": scores, "explanations": explanations, "rescaled": rescaled,
-                                                        "reasoning": reasoning}, ensure_ascii=False))
-                return expand(scores, explanations, attempts=attempt, rescaled=rescaled, error=error, reasoning=reasoning)
-            error, range_corrected = f"scores must be from 0 to 1, and this reply's go up to {max(scores):g}", True
-        ids = ", ".join(str(i) for i in range(1, len(unique) + 1))
+                return JudgeResult([unit[k - 1] for k in ids], [explanations[k - 1] for k in ids],
+                                   True, attempt, rescaled="" if scale == "0-1" else scale,
+                                   error=error, reasoning=reasoning)
+            error = f"scores must be from 0 to 1, and this reply's go up to {max(scores):g}"
+            range_corrected = True
+        correction = CORRECTION.format(error=error, ids=", ".join(map(str, range(1, n + 1))))
         messages = prompt + [{"role": "assistant", "content": answer or ""},
-                             {"role": "user", "content": CORRECTION.format(error=error, ids=ids)}]
+                             {"role": "user", "content": correction}]
     if unclosed:   # the last reply was cut off mid-thought: say what to change
         budget = getattr(backend, "max_tokens", None)
         error = "the judge's reasoning never closed, so it gave no answer: raise the judge's max tokens" + \
                 (f" (now {budget})" if budget else "")
-    return JudgeResult(None, [], False, max_retries + 1, error=f"unparseable reply: {error}", reasoning=reasoning)
-
-
-def _read_cache(path: str) -> dict | None:
-    """A cached judgement, or None: a missing or corrupt entry, or one without the "rescaled" key
-    (its scores may have been clamped), is a miss."""
-    try:
-        entry = read_json(path)
-    except (OSError, json.JSONDecodeError):
-        return None
-    return entry if isinstance(entry, dict) and {"scores", "explanations", "rescaled"} <= entry.keys() else None
+    return JudgeResult(None, [], False, max_retries + 1, error=f"unparseable reply: {error}",
+                       reasoning=reasoning)
 
 
 # ---------------------------------------------------------------- backends
@@ -497,13 +398,15 @@ class LocalBackend:
         self.model, self.tokenizer, self.adapter_off = model, tokenizer, adapter_off
         self.max_tokens, self.min_tokens = max_tokens, min_tokens
         self.max_context = max_context or model.config.max_position_embeddings
-        self.cache_id = "local:" + (name or getattr(model.config, "_name_or_path", "") or type(model).__name__)
+        self.cache_id = "local:" + (name or getattr(model.config, "_name_or_path", "")
+                                    or type(model).__name__)
 
     @torch.inference_mode()
     def complete(self, messages: list[dict]) -> str:
         text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         device = next(self.model.parameters()).device
-        input_ids = self.tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(device)  # (1, T)
+        input_ids = self.tokenizer(text, add_special_tokens=False,
+                                   return_tensors="pt").input_ids.to(device)  # (1, T)
         budget = min(self.max_tokens, self.max_context - input_ids.shape[1])
         if budget < self.min_tokens:
             raise JudgeError(f"prompt of {input_ids.shape[1]} tokens leaves {budget} of the "
@@ -513,13 +416,40 @@ class LocalBackend:
         try:
             with self.adapter_off():
                 eos = self.tokenizer.eos_token_id
-                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids), do_sample=False,
-                                          max_new_tokens=budget, eos_token_id=eos, pad_token_id=eos)  # (1, T + new)
-        except torch.OutOfMemoryError as e:   # a long group on a full GPU: this group goes unscored, the run goes on
-            raise JudgeError(f"out of memory judging a {input_ids.shape[1]}-token prompt: {str(e)[:120]}") from e
+                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
+                                          do_sample=False, max_new_tokens=budget, eos_token_id=eos,
+                                          pad_token_id=eos)  # (1, T + new)
+        except torch.OutOfMemoryError as e:   # a long group on a full GPU: it goes unscored, the run goes on
+            raise JudgeError(f"out of memory judging a {input_ids.shape[1]}-token prompt: "
+                             f"{str(e)[:120]}") from e
         finally:
             self.model.train(was_training)
         return self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
+
+
+class CachedBackend:
+    """A backend whose replies are kept on disk, by a hash of (its cache_id, the messages): a group
+    judged again (a resumed run, a benchmark run twice) costs no call. A missing or unreadable entry
+    is a miss; every other attribute is the wrapped backend's."""
+
+    def __init__(self, backend, folder):
+        self.backend, self.folder = backend, folder
+
+    def __getattr__(self, name):
+        return getattr(self.backend, name)
+
+    def complete(self, messages: list[dict]) -> str:
+        digest = hashlib.sha256(json.dumps([self.backend.cache_id, messages]).encode()).hexdigest()
+        path = os.path.join(self.folder, digest[:2], digest + ".json")
+        try:
+            entry = read_json(path)
+        except (OSError, ValueError):
+            entry = None
+        if isinstance(entry, dict) and isinstance(entry.get("reply"), str):
+            return entry["reply"]
+        reply = self.backend.complete(messages)
+        write_text_atomic(path, json.dumps({"reply": reply}, ensure_ascii=False))
+        return reply
 
 
 NO_MODEL_LIST = (404, 405, 501)   # GET /models answered "not here", "not this method", "not implemented"
@@ -532,20 +462,25 @@ def verdict_schema(n: int | None, pin_ids: bool = False) -> dict:
     can) fixes entry k's id to k, so no id is missed or scored twice. No numeric bounds: servers
     do not enforce them, and the rescaling above reads any scale."""
     def entry(trajectory_id):
-        return {"type": "object", "additionalProperties": False, "required": ["trajectory_id", "explanation", "score"],
+        return {"type": "object", "additionalProperties": False,
+                "required": ["trajectory_id", "explanation", "score"],
                 "properties": {"trajectory_id": trajectory_id, "explanation": {"type": "string"},
                                "score": {"type": "number"}}}
     if n is None:
         scores = {"type": "array", "items": entry({"type": "integer"})}
     elif pin_ids:
-        scores = {"type": "array", "prefixItems": [entry({"const": k}) for k in range(1, n + 1)], "minItems": n, "maxItems": n}
+        scores = {"type": "array", "prefixItems": [entry({"const": k}) for k in range(1, n + 1)],
+                  "minItems": n, "maxItems": n}
     else:
-        scores = {"type": "array", "items": entry({"type": "integer", "enum": list(range(1, n + 1))}), "minItems": n, "maxItems": n}
-    return {"type": "object", "additionalProperties": False, "required": ["scores"], "properties": {"scores": scores}}
+        scores = {"type": "array", "items": entry({"type": "integer", "enum": list(range(1, n + 1))}),
+                  "minItems": n, "maxItems": n}
+    return {"type": "object", "additionalProperties": False, "required": ["scores"],
+            "properties": {"scores": scores}}
 
 
 def _judged_count(messages: list[dict]) -> int | None:
-    """How many trajectories build_prompt's "Trajectory ids: 1, 2, ..." line asks about; None for another prompt."""
+    """How many trajectories build_prompt's "Trajectory ids: 1, 2, ..." line asks about; None for
+    another prompt."""
     found = (re.search(r"^Trajectory ids: (\d+(?:, \d+)*)$", m["content"], re.MULTILINE)
              for m in messages if m["role"] == "user")
     match = next(filter(None, found), None)
@@ -561,9 +496,11 @@ FORMAT_REFUSED = (400, 422, 500)   # how servers refuse a response_format they d
 
 
 def format_body(name: str, n: int | None) -> dict | None:
-    """The request's `response_format` at a rung of RESPONSE_FORMATS, for a verdict on n trajectories (None: send none)."""
+    """The request's `response_format` at a rung of RESPONSE_FORMATS, for a verdict on n trajectories
+    (None: send none)."""
     if name == "json_schema":
-        return {"type": "json_schema", "json_schema": {"name": "verdict", "strict": True, "schema": verdict_schema(n)}}
+        return {"type": "json_schema",
+                "json_schema": {"name": "verdict", "strict": True, "schema": verdict_schema(n)}}
     if name == "json_object+schema":
         return {"type": "json_object", "schema": verdict_schema(n, pin_ids=True)}
     return {"type": "json_object"} if name == "json_object" else None
@@ -587,13 +524,15 @@ class HTTPBackend:
     def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
                  timeout_s: float = 60, max_retries: int = 4, backoff_s: float = 1.0, max_wait_s: float = 60,
                  max_tokens: int = 2048, response_format: str = "json_schema"):
-        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL") or "https://api.openai.com/v1").rstrip("/")
+        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
+                         or "https://api.openai.com/v1").rstrip("/")
         self.model = model or os.environ.get("AGENTRL_JUDGE_MODEL")
         if not self.model:
             raise ValueError("no judge model: pass model= or set AGENTRL_JUDGE_MODEL")
         assert response_format in RESPONSE_FORMATS, f"response_format must be one of {list(RESPONSE_FORMATS)}"
         self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.timeout_s, self.max_retries, self.backoff_s, self.max_wait_s = timeout_s, max_retries, backoff_s, max_wait_s
+        self.timeout_s, self.max_retries = timeout_s, max_retries
+        self.backoff_s, self.max_wait_s = backoff_s, max_wait_s
         self.max_tokens, self.response_format, self.format_accepted = max_tokens, response_format, False
         self.cache_id = f"http:{self.base_url}:{self.model}"
 
@@ -625,7 +564,8 @@ class HTTPBackend:
         shape = format_body(self.response_format, _judged_count(messages))
         if shape is not None:
             body["response_format"] = shape
-        request = urllib.request.Request(self.base_url + "/chat/completions", json.dumps(body).encode(), self._headers())
+        request = urllib.request.Request(self.base_url + "/chat/completions", json.dumps(body).encode(),
+                                         self._headers())
         with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
             return response.read().decode("utf-8")
 
@@ -663,7 +603,8 @@ def _inline_reasoning(message: dict, finish_reason: str | None) -> str:
     reasoning or a token cap hit (the budget spent thinking, shown or hidden), `<think>reasoning`:
     reasoning that never closed."""
     content = message.get("content") or ""
-    reasoning = next((r for r in (message.get("reasoning_content"), message.get("reasoning")) if isinstance(r, str) and r), "")
+    reasoning = next((r for r in (message.get("reasoning_content"), message.get("reasoning"))
+                      if isinstance(r, str) and r), "")
     if not content.strip() and (reasoning or finish_reason == "length"):
         return f"<think>{reasoning}"
     return f"<think>{reasoning}</think>{content}" if reasoning else content

@@ -50,11 +50,13 @@ class KVLayer(CacheLayerMixin):
     def lazy_initialization(self, key_states, value_states):
         self.device, self.dtype = key_states.device, key_states.dtype
         self.rows, capacity = key_states.shape[0], max(self.min_capacity, key_states.shape[-2], 16)
-        self.keys, self.values = self._empty(key_states, self.rows, capacity), self._empty(value_states, self.rows, capacity)
+        self.keys, self.values = (self._empty(key_states, self.rows, capacity),
+                                  self._empty(value_states, self.rows, capacity))
         self.is_initialized = True
 
     def _empty(self, like, rows, capacity):
-        return torch.empty((rows, like.shape[1], capacity, like.shape[-1]), dtype=like.dtype, device=like.device)
+        return torch.empty((rows, like.shape[1], capacity, like.shape[-1]), dtype=like.dtype,
+                           device=like.device)
 
     def _reserve(self, rows, columns):
         """Make room for `rows` rows and `columns` columns, keeping the valid part. Columns grow by
@@ -109,7 +111,7 @@ class KVLayer(CacheLayerMixin):
         rows = torch.arange(len(order), device=order.device)[:, None]                # (B, 1)
         for name in ("keys", "values"):
             buf = getattr(self, name)
-            picked = buf[rows, :, order.to(buf.device)]                              # (B, width, H, D): a copy
+            picked = buf[rows, :, order.to(buf.device)]                              # a (B, width, H, D) copy
             buf[:len(order), :, :width] = picked.transpose(1, 2)
         self.length = width
 
@@ -119,7 +121,8 @@ class KVLayer(CacheLayerMixin):
         self._reserve(len(indices), self.length)
         for name in ("keys", "values"):
             buf = getattr(self, name)
-            buf[:len(indices), :, :self.length] = buf[indices.to(buf.device), :, :self.length]   # gathered first
+            # gathered first
+            buf[:len(indices), :, :self.length] = buf[indices.to(buf.device), :, :self.length]
         self.rows = len(indices)
 
 
@@ -129,7 +132,8 @@ class KVCache(Cache):
     def __init__(self, config, capacity: int = 0):
         config = config.get_text_config(decoder=True)
         kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
-        assert all(k == "full_attention" for k in kinds), f"KVCache holds full-attention layers only, not {sorted(set(kinds))}"
+        assert all(k == "full_attention" for k in kinds), \
+            f"KVCache holds full-attention layers only, not {sorted(set(kinds))}"
         super().__init__(layers=[KVLayer(capacity) for _ in range(config.num_hidden_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
@@ -158,7 +162,7 @@ def pack_left(cache, mask):
     width = int(real.max()) if len(mask) else 0     # no rows left: every column goes
     if width == mask.shape[1]:
         return mask
-    order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]            # (B, width): real columns first
+    order = torch.sort(1 - mask, dim=1, stable=True).indices[:, :width]       # (B, width): real columns first
     cache.pack(order, width)
     return (torch.arange(width, device=mask.device) < real[:, None]).long()
 

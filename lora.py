@@ -39,7 +39,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 from safetensors.torch import load_file, save_file
-from transformers import AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM, AutoTokenizer
+from transformers import (AttentionInterface, AttentionMaskInterface, AutoConfig, AutoModelForCausalLM,
+                          AutoTokenizer)
 from transformers.integrations.sdpa_attention import sdpa_attention_forward
 from transformers.masking_utils import ALL_MASK_ATTENTION_FUNCTIONS
 
@@ -125,12 +126,15 @@ def sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=
     groups = getattr(module, "num_key_value_groups", 1)
     if (groups == 1 or W == 1 or attention_mask is None or attention_mask.shape[1] != 1
             or kwargs.get("position_bias") is not None):
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, **kwargs)
+        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
+                                      scaling=scaling, **kwargs)
     S = key.shape[2]
-    packed_query = query.reshape(B, heads // groups, groups * W, D)                        # (B, kv_heads, groups*W, D)
-    mask = attention_mask.expand(B, 1, W, S)[:, :, None].expand(B, 1, groups, W, S).reshape(B, 1, groups * W, S)
-    out = nn.functional.scaled_dot_product_attention(packed_query, key, value, attn_mask=mask, dropout_p=dropout,
-                                                     scale=scaling)                       # (B, kv_heads, groups*W, D)
+    packed_query = query.reshape(B, heads // groups, groups * W, D)   # (B, kv_heads, groups*W, D)
+    mask = (attention_mask.expand(B, 1, W, S)[:, :, None].expand(B, 1, groups, W, S)
+            .reshape(B, 1, groups * W, S))
+    # (B, kv_heads, groups*W, D)
+    out = nn.functional.scaled_dot_product_attention(packed_query, key, value, attn_mask=mask,
+                                                     dropout_p=dropout, scale=scaling)
     return out.reshape(B, heads, W, D).transpose(1, 2).contiguous(), None                 # (B, W, heads, D)
 
 
@@ -188,12 +192,14 @@ class LoRALinear(nn.Module):
 
     def folded_weight(self) -> torch.Tensor:
         """W + scale * B A, (out, in), in fp32: the layer as one plain weight."""
-        return torch.addmm(self.base_layer.weight.float(), self.lora_B.weight, self.lora_A.weight, alpha=self.scale)
+        return torch.addmm(self.base_layer.weight.float(), self.lora_B.weight, self.lora_A.weight,
+                           alpha=self.scale)
 
     def forward(self, x):
         if not self.enabled:
             return self.base_layer(x)
-        if self.merged is not None:    # in the precision lora_merged folded it to (fp32: the casts are no-ops)
+        # in the precision lora_merged folded it to (fp32: the casts are no-ops)
+        if self.merged is not None:
             bias = self.base_layer.bias
             bias = None if bias is None else bias.to(self.merged.dtype)
             return nn.functional.linear(x.to(self.merged.dtype), self.merged, bias).to(x.dtype)
@@ -299,8 +305,9 @@ class lora_merged:
 
     @torch.no_grad()
     def __enter__(self):
-        self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled and m.merged is None
-                       and m.base_layer.weight.dtype == torch.float32 and not (m.training and m.dropout.p)]
+        self.layers = [m for m in self.model.modules() if isinstance(m, LoRALinear) and m.enabled
+                       and m.merged is None and m.base_layer.weight.dtype == torch.float32
+                       and not (m.training and m.dropout.p)]
         for m in self.layers:
             m.merged = m.folded_weight().to(self.dtype)
         return self.model
@@ -347,7 +354,8 @@ def load_adapter(model, folder):
     folder = Path(folder)
     config = json.loads((folder / "adapter_config.json").read_text())
     assert config.get("peft_type") == "LORA", f"{folder}: not a LoRA adapter: {config.get('peft_type')}"
-    unsupported = {k: config[k] for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern") if config.get(k)}
+    unsupported = {k: config[k] for k in ("use_rslora", "use_dora", "rank_pattern", "alpha_pattern")
+                   if config.get(k)}
     unsupported.update({"bias": config["bias"]} if config.get("bias", "none") != "none" else {})
     assert not unsupported, f"{folder}: adapter options this LoRA does not implement: {unsupported}"
     if not lora_parameters(model):
@@ -358,11 +366,13 @@ def load_adapter(model, folder):
     expected = {adapter_key(n, ab) for n in layers for ab in "AB"}
     missing, unexpected = expected - set(tensors), set(tensors) - expected
     assert not missing and not unexpected, (f"{folder}: adapter does not match the model's LoRA layers "
-                                            f"(missing {sorted(missing)[:3]}, unexpected {sorted(unexpected)[:3]})")
+                                            f"(missing {sorted(missing)[:3]}, "
+                                            f"unexpected {sorted(unexpected)[:3]})")
     with torch.no_grad():
         for name, m in layers.items():
             assert m.r == config["r"], f"{folder}: adapter r={config['r']} but the model's LoRA has r={m.r}"
-            m.alpha, m.scale = config["lora_alpha"], config["lora_alpha"] / config["r"]   # the adapter's, saved again
+            # the adapter's, saved again
+            m.alpha, m.scale = config["lora_alpha"], config["lora_alpha"] / config["r"]
             m.dropout.p = config.get("lora_dropout", 0.0)
             m.lora_A.weight.copy_(tensors[adapter_key(name, "A")])
             m.lora_B.weight.copy_(tensors[adapter_key(name, "B")])
@@ -401,7 +411,8 @@ def adapter_base_model(folder) -> str | None:
     """The base model an adapter was trained on, as load_model takes it: the hub id or folder its
     config records, or None (the embedded default) for the converted embedded model, whichever
     cache folder it was converted into."""
-    base = json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path") or None
+    base = (json.loads((Path(folder) / "adapter_config.json").read_text()).get("base_model_name_or_path")
+            or None)
     return None if base is None or Path(base).name == EMBEDDED_NAME else base
 
 
@@ -438,8 +449,10 @@ def export_merged(adapter, out, model_name=None, dtype="auto") -> Path:
 def main(argv=None):
     p = argparse.ArgumentParser(description="Adapters: python lora.py export --adapter DIR --out DIR")
     commands = p.add_subparsers(dest="command", required=True)
-    export = commands.add_parser("export", help="write a merged model (base + adapter) that transformers loads alone")
-    export.add_argument("--adapter", required=True, help="an adapter folder, or a run folder (its final adapter)")
+    export = commands.add_parser("export",
+                                 help="write a merged model (base + adapter) that transformers loads alone")
+    export.add_argument("--adapter", required=True,
+                        help="an adapter folder, or a run folder (its final adapter)")
     export.add_argument("--out", required=True, help="the folder to write (replaced if it exists)")
     export.add_argument("--model", default=None,
                         help="the base model (hub id or folder); default: the one the adapter records")
@@ -448,7 +461,8 @@ def main(argv=None):
     args = p.parse_args(argv)
     try:
         out = export_merged(args.adapter, args.out, args.model, args.dtype)
-    except (FileNotFoundError, ValueError, AssertionError) as e:   # no adapter, a bad --out, an adapter that does not fit
+    # no adapter, a bad --out, an adapter that does not fit
+    except (FileNotFoundError, ValueError, AssertionError) as e:
         raise SystemExit(f"export: {e}") from None
     print(f"merged model written to {out}: AutoModelForCausalLM.from_pretrained({str(out)!r}) loads it")
 

@@ -14,7 +14,7 @@ What is synchronized, and what is not:
   lives whole on one process, and its advantages need nothing from the others.
 - The update: the loss is normalized by the whole step's counts (`sum_counts`), so the losses
   of all processes add up to the loss of one process holding every group; the LoRA gradients
-  are then summed in one all-reduce (grpo.sum_gradients), and every process takes the same
+  are then summed in one all-reduce (`sum_gradients`), and every process takes the same
   optimizer step from the same state, so the adapters stay identical.
 - Metrics: after the update the step's groups, rewards and figures are gathered (`gather_step`);
   every process updates its per-tier success rates from all of them (so the next step's draw
@@ -104,8 +104,9 @@ def _collective(function, *args, **kwargs):
         return function(*args, **kwargs)
     except RuntimeError as e:     # gloo raises RuntimeError, NCCL its subclass DistBackendError
         raise CollectiveFailed(
-            f"rank {rank()} of {world_size()}: a collective failed, most likely because another process died or "
-            f"stalled (its own output says why); stopping. The last checkpoint is intact: rerun with --resume.\n{e}") from e
+            f"rank {rank()} of {world_size()}: a collective failed, most likely because another process "
+            f"died or stalled (its own output says why); stopping. The last checkpoint is intact: "
+            f"rerun with --resume.\n{e}") from e
 
 
 def shard(items):
@@ -128,7 +129,7 @@ def gather(item):
 
 
 def all_reduce(tensor):
-    """Sum `tensor` in place over the processes (what grpo.grpo_step takes as `all_reduce`)."""
+    """Sum `tensor` in place over the processes."""
     _collective(dist.all_reduce, tensor)
 
 
@@ -141,6 +142,22 @@ def sum_counts(counts):
             "max_tokens": max(c["max_tokens"] for c in everyone)}
 
 
+def sum_gradients(optimizer, numbers, all_reduce=all_reduce):
+    """Replace each LoRA gradient by its sum over the processes, and sum `numbers` with them, in one
+    all-reduce of one flat tensor; returns the summed numbers, so every process takes the same
+    decision after it. A parameter without a gradient (a process that forwarded nothing) adds
+    zeros. DistributedDataParallel would synchronize every backward, but each process runs its own
+    number of micro-batches. The sum is the same everywhere: identical steps, identical weights."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [torch.zeros_like(p) if p.grad is None else p.grad for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads]
+                     + [torch.tensor(numbers, dtype=grads[0].dtype, device=grads[0].device)])
+    all_reduce(flat)                                              # (P + len(numbers),), summed in place
+    for p, g in zip(params, flat[:-len(numbers)].split([g.numel() for g in grads])):
+        p.grad = g.view_as(p)
+    return flat[-len(numbers):].tolist()
+
+
 def grpo_step(model, optimizer, batch, config, scaler, reference_context=None):
     """grpo.grpo_step on this process's share of the step (batch: its groups), as one process
     holding every group would take it: the loss normalized by the whole step's counts
@@ -151,7 +168,7 @@ def grpo_step(model, optimizer, batch, config, scaler, reference_context=None):
     if not counts["num_sequences"]:
         return {"skipped": True, "skip_reason": "no trainable group"}
     return grpo.grpo_step(model, optimizer, batch, config, scaler, reference_context=reference_context,
-                          counts=counts, all_reduce=all_reduce)
+                          counts=counts, sum_processes=sum_gradients)
 
 
 def merge_update_stats(per_process):
@@ -212,7 +229,8 @@ def forked(function, items, processes):
     try:
         for i in range(processes):
             receive, send = context.Pipe(duplex=False)
-            child = context.Process(target=_run_forked, args=(function, share_of(items, i, processes), send), daemon=True)
+            child = context.Process(target=_run_forked, args=(function, share_of(items, i, processes), send),
+                                    daemon=True)
             child.start()
             send.close()                      # the child holds the only writing end: EOF if it dies
             children.append((child, receive))
@@ -223,7 +241,8 @@ def forked(function, items, processes):
                 ok, value = False, "it died without a result (killed: out of memory?)"
             child.join()
             if not ok:
-                failure = failure or f"a forked process (pid {child.pid}, exit code {child.exitcode}) failed: {value}"
+                failure = failure or (f"a forked process (pid {child.pid}, exit code {child.exitcode}) "
+                                      f"failed: {value}")
             results.append(value)
     finally:
         for child, receive in children:
@@ -255,7 +274,8 @@ def share_state(model, optimizer, scaler, extra=None):
     blob = None
     if is_main():
         buffer = io.BytesIO()
-        torch.save({"lora": [p.detach().cpu() for p in lora.lora_parameters(model)], "optimizer": optimizer.state_dict(),
+        torch.save({"lora": [p.detach().cpu() for p in lora.lora_parameters(model)],
+                    "optimizer": optimizer.state_dict(),
                     "scaler": scaler.state_dict(), "rng": torch.get_rng_state(), "extra": extra}, buffer)
         blob = buffer.getvalue()
     box = [blob]

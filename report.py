@@ -1,7 +1,9 @@
-"""The run report: one static HTML page that shows what a training run did, built from its folder.
+"""What a training run reports: its step line, metrics.jsonl and trajectories/ as it runs, the
+summary at its end, and one static HTML page built from its folder.
 
     python report.py runs/default      # rebuild runs/default/report.html from the folder
     write_report("runs/default")       # what train.py calls at each step and at the end
+    step_record(...), step_line(...)   # a step's metrics, and the one line train.py prints of them
 
 Reads a run folder (config.json, metrics.jsonl, trajectories/step_XXXX.jsonl, all written by
 train.py, and progress.png, which `write_plot` draws from the metrics) and writes `report.html`:
@@ -9,10 +11,10 @@ one self-contained file any browser opens from disk (no server, no network, no J
 CSS, the plot as a base64 PNG, long parts folded with <details>).
 
 The page, top to bottom: the config; held-out accuracy by phase (where RL started, steps), split
-and tier, and the start and end paired by question; the learning curves; then every step and its groups. A group shows its question and
-gold SQL, the messages all its trajectories share once (as the judge's prompt prints them:
-judge.shared_prefix_length), then each trajectory, numbered as the judge's prompt numbers them:
-its turns, whether it was correct, its reward, its advantage, the judge's score and explanation.
+and tier, and the start and end paired by question; the learning curves; then every step and its groups.
+A group shows its question and gold SQL, the messages all its trajectories share once (as the judge's
+prompt prints them: common_prefix_length), then each trajectory, numbered as the judge's prompt numbers
+them: its turns, whether it was correct, its reward, its advantage, the judge's score and explanation.
 
 Invariants: everything taken from a trajectory (model output, agent SQL, observations, the
 judge's text) reaches the page only through html.escape; a line of a run's files that cannot be
@@ -20,20 +22,26 @@ read (a run killed mid-write) is skipped and counted on the page, never fatal.
 
 Simplifications, and why they are safe: the SQL highlighter colours keywords, strings and numbers
 with one regular expression and never changes the text; a trajectory is shown in full after the
-shared prefix, where the judge's trie also shares branches (the page reads one trajectory at a time).
+shared prefix, where the judge's tree also shares branches (the page reads one trajectory at a time).
 """
 import argparse
 import base64
 import html
 import json
+import os
 import re
+import resource
+import sys
 import time
 from pathlib import Path
 
 import agentrl
 import evaluate
+import grpo
 import judge
-from files import atomic_path, read_jsonl, write_text_atomic
+import parallel
+from evaluate import behaviour, episode_record, format_evals, format_history, paired_line, split_outcomes
+from files import atomic_path, common_prefix_length, read_jsonl, write_text_atomic
 from sql_env import TIERS
 
 # ----------------------------------------------------------------------------- reading a run folder
@@ -53,8 +61,9 @@ def read_run(run_dir) -> dict:
         trajectories[int(path.stem[len("step_"):])] = records
         unreadable += bad
     plot = run_dir / "progress.png"
-    return {"name": run_dir.resolve().name, "config": config, "metrics": metrics, "trajectories": trajectories,
-            "plot": plot.read_bytes() if plot.is_file() else None, "unreadable": unreadable}
+    return {"name": run_dir.resolve().name, "config": config, "metrics": metrics,
+            "trajectories": trajectories, "plot": plot.read_bytes() if plot.is_file() else None,
+            "unreadable": unreadable}
 
 
 def groups_of(records) -> list[list[dict]]:
@@ -94,12 +103,12 @@ def number(value, digits=3) -> str:
     return f"{value:.{digits}f}" if isinstance(value, float) else str(value)
 
 
-SQL_KEYWORDS = set("""SELECT FROM WHERE JOIN INNER LEFT RIGHT OUTER CROSS NATURAL ON USING GROUP BY ORDER HAVING
-LIMIT OFFSET AS AND OR NOT IN IS NULL LIKE GLOB BETWEEN EXISTS DISTINCT ALL UNION INTERSECT EXCEPT CASE WHEN THEN
-ELSE END ASC DESC WITH RECURSIVE COUNT SUM AVG MIN MAX CAST ROUND COALESCE IFNULL LENGTH LOWER UPPER SUBSTR
-STRFTIME DATE""".split())
-SQL_TOKEN = re.compile(r"(?P<string>'(?:[^']|'')*'?)|(?P<number>\b\d+(?:\.\d+)?\b)|(?P<word>[A-Za-z_]\w*)|(?P<other>.)",
-                       re.DOTALL)
+SQL_KEYWORDS = set("""SELECT FROM WHERE JOIN INNER LEFT RIGHT OUTER CROSS NATURAL ON USING GROUP BY ORDER
+HAVING LIMIT OFFSET AS AND OR NOT IN IS NULL LIKE GLOB BETWEEN EXISTS DISTINCT ALL UNION INTERSECT EXCEPT CASE
+WHEN THEN ELSE END ASC DESC WITH RECURSIVE COUNT SUM AVG MIN MAX CAST ROUND COALESCE IFNULL LENGTH LOWER UPPER
+SUBSTR STRFTIME DATE""".split())
+SQL_TOKEN = re.compile(r"(?P<string>'(?:[^']|'')*'?)|(?P<number>\b\d+(?:\.\d+)?\b)|"
+                       r"(?P<word>[A-Za-z_]\w*)|(?P<other>.)", re.DOTALL)
 
 
 def highlight_sql(sql: str) -> str:
@@ -114,7 +123,8 @@ def highlight_sql(sql: str) -> str:
 
 
 def sql_block(sql, missing="none") -> str:
-    return f'<pre class="sql">{highlight_sql(sql)}</pre>' if isinstance(sql, str) else f'<p class="none">{missing}</p>'
+    return (f'<pre class="sql">{highlight_sql(sql)}</pre>' if isinstance(sql, str)
+            else f'<p class="none">{missing}</p>')
 
 
 def render_message(message, turn=None) -> str:
@@ -129,8 +139,8 @@ def render_message(message, turn=None) -> str:
         except agentrl.ToolCallError as e:
             body = f'<p class="note">no usable tool call: {esc(e)}</p><pre class="text">{esc(content)}</pre>'
         else:
-            shown = [sql_block(v) if k == "query" and isinstance(v, str) else
-                     f'<pre class="text">{esc(k)}: {esc(json.dumps(v) if not isinstance(v, str) else v)}</pre>'
+            shown = [sql_block(v) if k == "query" and isinstance(v, str) else f'<pre class="text">{esc(k)}: '
+                     f'{esc(json.dumps(v) if not isinstance(v, str) else v)}</pre>'
                      for k, v in args.items()]
             around = agentrl.TOOL_CALL_RE.sub("", content, count=1).strip()
             shown += [f'<pre class="text">{esc(around)}</pre>'] if around else []
@@ -152,7 +162,8 @@ def render_config(config) -> str:
     if not config:
         return "<p class=\"none\">no config.json in the folder</p>"
     key_settings = ", ".join(f"{k}={esc(config[k])}" for k in ("model", "data", "steps", "groups_per_step",
-                                                               "group_size", "judge", "bonus", "lr") if k in config)
+                                                               "group_size", "judge", "bonus", "lr")
+                             if k in config)
     rows = [(esc(k), f"<code>{esc(json.dumps(v))}</code>") for k, v in config.items()]
     return (f"<details><summary>{len(config)} settings: {key_settings}</summary>"
             f"{render_table(['setting', 'value'], rows)}</details>")
@@ -162,26 +173,30 @@ def render_evals(metrics) -> str:
     evals = [r for r in metrics if "eval_accuracy" in r]
     if not evals:
         return "<p class=\"none\">no evaluation yet</p>"
-    results = [(r.get("phase") or f"step {r.get('step')}", split, m) for r in evals for split, m in split_results(r)]
+    results = [(r.get("phase") or f"step {r.get('step')}", split, m)
+               for r in evals for split, m in split_results(r)]
     seen = {tier for _, _, m in results for tier in m["by_tier"]}
     tiers = [t for t in TIERS if t in seen] + sorted(seen - set(TIERS))
     rows = [(esc(phase), esc(split), f"<b>{number(m['accuracy'])}</b>", number(m["tasks"]),
              *(number(m["by_tier"].get(t), 2) for t in tiers)) for phase, split, m in results]
     table = render_table(["phase", "split", "accuracy", "tasks", *map(esc, tiers)], rows)
-    start = [r for r in evals if r.get("step") == 0][-1:]     # where RL started, as train.py's summary pairs it
+    # where RL started, as train.py's summary pairs it
+    start = [r for r in evals if r.get("step") == 0][-1:]
     if not start or start[0] is evals[-1]:
         return table
     before, after = evaluate.split_outcomes(start[0]), evaluate.split_outcomes(evals[-1])
     paired = "".join(f"<li>{esc(split)}: {esc(evaluate.paired_line(before[split], after[split]))}</li>"
                      for split in before if split in after)
-    return table + f"<p>RL start &rarr; end, paired by question (95% bootstrap interval, exact McNemar p):</p><ul>{paired}</ul>"
+    return table + (f"<p>RL start &rarr; end, paired by question "
+                    f"(95% bootstrap interval, exact McNemar p):</p><ul>{paired}</ul>")
 
 
 def render_plot(png) -> str:
     if png is None:
         return "<p class=\"none\">no plot yet (progress.png is written after the first step)</p>"
     data = base64.b64encode(png).decode("ascii")
-    return f'<img class="plot" alt="reward, train accuracy and held-out accuracy by step" src="data:image/png;base64,{data}">'
+    return (f'<img class="plot" alt="reward, train accuracy and held-out accuracy by step" '
+            f'src="data:image/png;base64,{data}">')
 
 
 def messages_of(record) -> list[dict]:
@@ -206,9 +221,11 @@ def render_trajectory(record, messages, number_in_group, judge_number, prefix_le
     correct, advantage = bool(record.get("correct")), record.get("advantage")
     known = isinstance(advantage, (int, float))
     sign = "pos" if known and advantage > 0 else "neg" if known and advantage < 0 else ""
-    head = [f'<span class="badge">{"correct" if correct else "wrong"}</span> <b>trajectory {number_in_group}</b>'
-            + (f" (the judge's {judge_number}: it sees identical trajectories once)" if judge_number != number_in_group else ""),
-            f"reward {number(record.get('reward'))}", f'advantage <span class="{sign}">{number(advantage)}</span>',
+    head = [f'<span class="badge">{"correct" if correct else "wrong"}</span> <b>trajectory '
+            f'{number_in_group}</b>' + (f" (the judge's {judge_number}: it sees identical trajectories once)"
+                                        if judge_number != number_in_group else ""),
+            f"reward {number(record.get('reward'))}",
+            f'advantage <span class="{sign}">{number(advantage)}</span>',
             f"stop: {esc(record.get('stop_reason', '?'))}"]
     score, explanation = record.get("judge_score"), record.get("judge_explanation") or ""
     judged = (f'judge {number(score, 2)}: {esc(explanation) or "(no explanation)"}' if score is not None
@@ -222,22 +239,24 @@ def render_trajectory(record, messages, number_in_group, judge_number, prefix_le
 def render_group(records, step, g) -> str:
     """A group: its task once, the messages all its trajectories share once, then each trajectory."""
     first, conversations = records[0], [messages_of(r) for r in records]
-    prefix = judge.shared_prefix_length(conversations)
-    judge_index = judge.deduplicate(conversations)[1]
+    prefix = common_prefix_length([[(m["role"], m["content"]) for m in c] for c in conversations])
+    ids = judge.judge_ids(judge.conversation_tree(conversations))
     right = sum(bool(r.get("correct")) for r in records)
     shared = "".join(render_message(m) for m in conversations[0][:prefix])
-    trajectories = "".join(render_trajectory(r, c, k, judge_index[k - 1] + 1, prefix, f"s{step:04d}-g{g}-t{k}")
+    trajectories = "".join(render_trajectory(r, c, k, ids[k - 1], prefix, f"s{step:04d}-g{g}-t{k}")
                            for k, (r, c) in enumerate(zip(records, conversations), 1))
     reasoning = first.get("judge_reasoning") or ""     # the judge's thinking before its verdict, never scored
     if reasoning:
-        trajectories = (f"<details class=\"prefix\"><summary>the judge's reasoning before its verdict (not scored; "
-                        f"clipped)</summary><pre>{esc(reasoning)}</pre></details>") + trajectories
-    return (f'<section class="group" id="s{step:04d}-g{g}"><h3>group {g} &middot; {esc(first.get("difficulty", "?"))} '
+        trajectories = (f"<details class=\"prefix\"><summary>the judge's reasoning before its verdict (not "
+                        f"scored; clipped)</summary><pre>{esc(reasoning)}</pre></details>") + trajectories
+    return (f'<section class="group" id="s{step:04d}-g{g}">'
+            f'<h3>group {g} &middot; {esc(first.get("difficulty", "?"))} '
             f"&middot; {right}/{len(records)} correct &middot; {esc(first.get('task_id', '?'))}</h3>"
             f'<p class="question">{esc(first.get("question", ""))}</p>'
             f'<div class="gold"><span class="label">gold SQL</span>{sql_block(first.get("gold_sql"))}</div>'
-            f"<details class=\"prefix\"><summary>shared by all {len(records)} trajectories: {prefix} messages, "
-            f"printed once in the judge's prompt</summary>{shared}</details>{trajectories}</section>")
+            f"<details class=\"prefix\"><summary>shared by all {len(records)} trajectories: "
+            f"{prefix} messages, printed once in the judge's prompt</summary>{shared}</details>"
+            f"{trajectories}</section>")
 
 
 def render_steps(metrics, trajectories) -> str:
@@ -248,14 +267,17 @@ def render_steps(metrics, trajectories) -> str:
     parts = []
     for step in steps:
         r = step_records.get(step, {})
-        summary = (f"step {step} &middot; reward {number(r.get('reward_mean'))} &plusmn; {number(r.get('reward_std'))} "
+        summary = (f"step {step} &middot; reward {number(r.get('reward_mean'))} "
+                   f"&plusmn; {number(r.get('reward_std'))} "
                    f"&middot; train accuracy {number(r.get('train_accuracy'))} &middot; mixed groups "
                    f"{number(r.get('mixed_candidates'))} of {number(r.get('candidate_groups'))} rolled out, "
                    f"{number(r.get('trainable_groups'))} trained on"
-                   + (f" &middot; judge agreement {number(r['judge_agreement'], 2)} ({r.get('judge_agreement_groups')} groups)"
+                   + (f" &middot; judge agreement {number(r['judge_agreement'], 2)} "
+                      f"({r.get('judge_agreement_groups')} groups)"
                       if r.get("judge_agreement") is not None else "")
                    + (" &middot; update skipped" if r.get("skipped") else " &middot; update applied"))
-        groups = "".join(render_group(records, step, g) for g, records in enumerate(groups_of(trajectories.get(step, [])), 1))
+        groups = "".join(render_group(records, step, g)
+                         for g, records in enumerate(groups_of(trajectories.get(step, [])), 1))
         groups = groups or '<p class="none">no trajectories saved</p>'
         parts.append(f'<details class="step" id="step-{step:04d}"{" open" if step == steps[-1] else ""}>'
                      f"<summary>{summary}</summary>{groups}</details>")
@@ -263,13 +285,16 @@ def render_steps(metrics, trajectories) -> str:
 
 
 STYLE = """
-body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1100px; padding: 1em 2em; color: #222; }
+body { font: 15px/1.45 system-ui, sans-serif; margin: 0 auto; max-width: 1100px; padding: 1em 2em;
+       color: #222; }
 h1 { margin-bottom: 0.2em; } h2 { border-bottom: 1px solid #ccc; margin-top: 1.6em; }
 h3 { font-size: 1em; margin: 0 0 0.3em; }
 .meta, .none, .note { color: #666; }
-table { border-collapse: collapse; margin: 0.5em 0; } th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
+table { border-collapse: collapse; margin: 0.5em 0; }
+th, td { border: 1px solid #ddd; padding: 2px 8px; text-align: left; }
 th { background: #f3f3f3; } code { font-size: 0.9em; }
-pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: 0.2em 0; font: 13px/1.35 ui-monospace, monospace; }
+pre { white-space: pre-wrap; overflow-wrap: anywhere; margin: 0.2em 0;
+      font: 13px/1.35 ui-monospace, monospace; }
 img.plot { max-width: 100%; border: 1px solid #ddd; }
 details.step { border: 1px solid #ccc; border-radius: 4px; margin: 0.5em 0; padding: 0.3em 0.8em; }
 details.step > summary { font-weight: 600; cursor: pointer; }
@@ -296,7 +321,8 @@ def render(run) -> str:
     """The whole page for a run read by read_run."""
     config, metrics = run["config"], run["metrics"]
     n = sum(len(records) for records in run["trajectories"].values())
-    done = max((r["step"] for r in metrics if "reward_mean" in r and isinstance(r.get("step"), int)), default=0)
+    done = max((r["step"] for r in metrics if "reward_mean" in r and isinstance(r.get("step"), int)),
+               default=0)
     bonus = config.get("bonus", "bonus")
     std = "" if config.get("no_std_scaling") else " / std"
     unreadable = (f" &middot; {run['unreadable']} unreadable lines skipped" if run["unreadable"] else "")
@@ -310,14 +336,15 @@ def render(run) -> str:
 <h2>Config</h2>
 {render_config(config)}
 <h2>Held-out accuracy</h2>
-<p class="meta">Greedy, one episode per question; by phase (where RL started: after the warm start or the --adapter; after a step) and tier.</p>
+<p class="meta">Greedy, one episode per question; by phase (where RL started: after the warm start or the
+--adapter; after a step) and tier.</p>
 {render_evals(metrics)}
 <h2>Learning curves</h2>
 {render_plot(run['plot'])}
 <h2>Steps</h2>
-<p class="meta">Each step's groups: one task, several trajectories. reward = judge score + {esc(bonus)} &times; correct;
-advantage = (reward &minus; group mean){std}, the weight the update gave the trajectory's tokens
-(&ndash;: not trained on: its group's rewards were all equal, or the row was cut on non-finite logits).
+<p class="meta">Each step's groups: one task, several trajectories. reward = judge score + {esc(bonus)}
+&times; correct; advantage = (reward &minus; group mean){std}, the weight the update gave the trajectory's
+tokens (&ndash;: not trained on: its group's rewards were all equal, or the row was cut on non-finite logits).
 Trajectories are numbered in group order, as the judge's prompt numbers them.</p>
 {render_steps(metrics, run['trajectories'])}
 </body>
@@ -346,7 +373,8 @@ def write_plot(run_dir, metrics) -> Path:
     steps, reward = [r["step"] for r in train], [r["reward_mean"] for r in train]
     ax.plot(steps, reward, label="train reward (mean, \u00b1 sd shaded)")
     spread = [r.get("reward_std", 0.0) for r in train]       # (not in the records of older runs)
-    ax.fill_between(steps, [m - s for m, s in zip(reward, spread)], [m + s for m, s in zip(reward, spread)], alpha=0.15)
+    ax.fill_between(steps, [m - s for m, s in zip(reward, spread)], [m + s for m, s in zip(reward, spread)],
+                    alpha=0.15)
     ax.plot(steps, [r["train_accuracy"] for r in train], label="train accuracy (every rollout)")
     mixed = [r for r in train if "candidate_groups" in r]
     ax.plot([r["step"] for r in mixed], [r["mixed_candidates"] / r["candidate_groups"] for r in mixed], ":",
@@ -356,7 +384,8 @@ def write_plot(run_dir, metrics) -> Path:
         ax.plot([r["step"] for r in judged], [r["judge_agreement"] for r in judged], "x-.",
                 label="judge agreement with correctness")
     ax.plot([r["step"] for r in evals], [r["eval_accuracy"] for r in evals], "o-",
-            label=f"held-out accuracy, {evals[0].get('eval_split', 'eval')} (greedy)" if evals else "held-out accuracy")
+            label=(f"held-out accuracy, {evals[0].get('eval_split', 'eval')} (greedy)" if evals
+                   else "held-out accuracy"))
     others = [k for k in (evals[0] if evals else {}) if k.endswith("_accuracy") and k != "eval_accuracy"]
     for key in others:            # the other held-out splits (test_schema_accuracy, ...)
         ax.plot([r["step"] for r in evals if key in r], [r[key] for r in evals if key in r], "s--",
@@ -370,6 +399,155 @@ def write_plot(run_dir, metrics) -> Path:
         fig.savefig(tmp, format="png")
     plt.close(fig)
     return path
+
+
+# ----------------------------------------------------------------------------- what a run prints and logs
+def judge_counters(results):
+    """How the judge fared this step, so a bad judge shows at once: groups whose reply was on
+    another scale and rescaled in order, and correction turns sent (unusable replies, scores
+    above 1). Groups it left unscored are judge_failed_groups (score_groups)."""
+    return {"judge_rescaled_groups": sum(bool(r.rescaled) for r in results),
+            "judge_corrections": sum(max(0, r.attempts - 1) for r in results)}
+
+
+def judge_agreement(groups, results):
+    """How far to trust the judge this step: over the groups it scored that hold both right and
+    wrong rollouts, the mean share of (right, wrong) pairs it ranked the right way (judge.agreement),
+    and how many groups that is. None where no group had both."""
+    values = [a for group, r in zip(groups, results) if r.scored and
+              (a := judge.agreement(r.scores, [t.correct for t in group.trajectories])) is not None]
+    return {"judge_agreement": sum(values) / len(values) if values else None,
+            "judge_agreement_groups": len(values)}
+
+
+def judge_noise_warning(records, least_groups=8, margin=0.1):
+    """A plain warning, or None: the judge's agreement with execution correctness over the run's
+    step records so far is within `margin` of the 0.5 a coin would score (after `least_groups` groups)."""
+    counted = [r for r in records if r.get("judge_agreement") is not None]
+    groups = sum(r["judge_agreement_groups"] for r in counted)
+    if groups < least_groups:
+        return None
+    mean = sum(r["judge_agreement"] * r["judge_agreement_groups"] for r in counted) / groups
+    if abs(mean - 0.5) >= margin:
+        return None
+    return (f"warning: over {groups} groups the judge ranked a right rollout above a wrong one {mean:.0%} of "
+            f"the time, about as often as a coin would: its scores add noise to the reward. Try a stronger "
+            f"--judge-model, or train on correctness alone with --judge none.")
+
+
+def append_jsonl(path, record):
+    if not parallel.is_main():   # every writer of the run folder: rank 0 only
+        return
+    with open(path, "a") as f:
+        f.write(json.dumps(record) + "\n")
+
+
+def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
+    """One step's metrics, the record in metrics.jsonl (step_line prints the gist). groups and
+    rewards: the groups kept for the update; pass_rates: every rolled-out group's [(task, rate)];
+    counts: from grpo.batch_from_groups; stats: from the update; extra: judge failures and times."""
+    trajectories = [t for g in groups for t in g.trajectories]
+    flat_rewards = [r for rs in rewards for r in rs]
+    reward_mean = sum(flat_rewards) / len(flat_rewards)
+    return {
+        "step": step,
+        "reward_mean": reward_mean,
+        "reward_std": (sum((r - reward_mean) ** 2 for r in flat_rewards) / len(flat_rewards)) ** 0.5,
+        "train_accuracy": sum(rate for _, rate in pass_rates) / len(pass_rates),  # every candidate's rollouts
+        "candidate_groups": len(pass_rates),
+        "mixed_candidates": sum(0 < rate < 1 for _, rate in pass_rates),
+        "trainable_groups": counts["trainable_groups"],
+        "mixed_group_rate": counts["trainable_groups"] / len(groups),
+        "zero_variance_groups": counts["zero_variance_groups"],
+        "non_finite_trajectories": counts["non_finite_trajectories"],
+        "submitted_groups": len(groups),
+        "kept_accuracy": sum(t.correct for t in trajectories) / len(trajectories),   # the groups trained on
+        "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
+        "tool_error_rate": sum(t.num_tool_errors for t in trajectories)
+                           / max(1, sum(t.num_tool_calls for t in trajectories)),
+        **behaviour(trajectories),
+        "gen_tokens": sum(sum(t.assistant_mask) for t in trajectories),
+        # every rollout's, trained or not (stats' entropy: the trained)
+        "rollout_entropy": grpo.sampled_entropy(trajectories),
+        **extra,
+        **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
+    }
+
+
+def step_line(record, steps):
+    """A step as one line: the signal found, the reward, how far the update moved, whether it ran."""
+    clipped = (f"clipped {record['clip_frac_low'] + record['clip_frac_high']:.1%} of tokens | "
+               if "clip_frac_low" in record else "")       # (--update rft clips nothing)
+    update = (f"update skipped ({record.get('skip_reason', 'unknown')})" if record["skipped"]
+              else clipped + "update applied")
+    judged = (f" | judge agreement {record['judge_agreement']:.2f} ({record['judge_agreement_groups']}"
+              f" groups)" if record.get("judge_agreement") is not None else "")
+    if (record.get("judge_failed_groups") or record.get("judge_rescaled_groups")
+            or record.get("judge_corrections")):
+        judged += (f" | judge: {record['judge_failed_groups']} groups failed, "
+                   f"{record['judge_rescaled_groups']} rescaled, {record['judge_corrections']} corrections")
+    return (f"step {record['step']}/{steps} | "
+            f"mixed groups {record['mixed_candidates']}/{record['candidate_groups']}, "
+            f"{record['trainable_groups']} trained on | kept groups: reward {record['reward_mean']:.2f} ± "
+            f"{record['reward_std']:.2f}, accuracy {record['kept_accuracy']:.2f} | every candidate: accuracy "
+            f"{record['train_accuracy']:.2f} | {update}{judged} | {record['time_step']:.0f} s")
+
+
+def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
+    """trajectories/step_XXXX.jsonl: every conversation of the step with its reward, judgement and
+    advantage. trained: {id(trajectory): advantage} for the trajectories the update trained on;
+    the others get None (their group carried no signal, or the row was cut; under torchrun, the
+    other processes' rows). Rank 0 only."""
+    if not parallel.is_main():
+        return
+    lines, trained = [], trained or {}
+    for g, (group, group_rewards, result) in enumerate(zip(groups, rewards, results)):
+        for i, t in enumerate(group.trajectories):
+            lines.append(json.dumps({
+                "step": step, "group": g, **episode_record(group.task, t),
+                "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
+                "judge_explanation": result.explanations[i] if result.explanations else "",
+                "judge_reasoning": result.reasoning,
+                "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled}) + "\n")
+    write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
+
+
+def print_summary(config, metrics_path, final_dir, processes):
+    """The end-of-run summary: held-out accuracy by phase, the last evaluation, updates, where things are."""
+    records = read_jsonl(metrics_path)
+    evals = [r for r in records if "eval_accuracy" in r]
+    print("\n" + "=" * 72)
+    print(f"held-out accuracy (greedy):\n{format_history(evals, config.eval_splits)}")
+    print(f"final eval:\n{format_evals(evals[-1], config.eval_splits)}")
+    # where RL started: after the warm start, or the --adapter
+    start = [r for r in evals if r["step"] == 0][-1]
+    if evals[-1] is not start:
+        before, after = split_outcomes(start), split_outcomes(evals[-1])
+        print("RL start -> end, paired by question (95% bootstrap interval, exact McNemar p):")
+        for split in config.eval_splits:
+            print(f"  {split + ':':<{max(map(len, config.eval_splits)) + 1}} "
+                  f"{paired_line(before[split], after[split])}")
+    steps = [r for r in records if "reward_mean" in r]
+    print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} "
+          f"skipped (no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
+    if steps:
+        # (not in older runs' records)
+        entropies = [r["rollout_entropy"] for r in steps if "rollout_entropy" in r]
+        print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/"
+              f"{sum(r['submitted_groups'] for r in steps)} groups mixed, sampled tokens' entropy "
+              f"{sum(entropies) / max(1, len(entropies)):.3f} nats, temperature {config.temperature:.2f}")
+    unit = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
+    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit if processes > 1 else 0
+    forked = (f"; the largest of the {processes} evaluation processes forked at once "
+              f"{children / 2**30:.1f} GiB, the pages it shares with this one included" if children else "")
+    print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started){forked}")
+    print(f"adapter:    {final_dir}  (PEFT layout)")
+    print(f"metrics:    {metrics_path}   plot: {os.path.join(config.out, 'progress.png')}   "
+          f"report: {os.path.join(config.out, 'report.html')}")
+    print(f"evaluate:   python train.py --eval-only --adapter {final_dir}"
+          + (f" --model {config.model}" if config.model else ""))
+    return evals[-1]
 
 
 def main(argv=None) -> Path:

@@ -2,7 +2,8 @@
 question set in four tiers. Data, kept apart from the environment (`sql_env.py`) a reader studies.
 
     database_path(seed=0, rendering=0)   # one rendering's SQLite file, built on first use
-    split_questions("test_schema")       # [(tier, question, gold_sql, rendering), ...]; sql_env.load_tasks wraps them
+    split_questions("test_schema")       # [(tier, question, gold_sql, rendering), ...];
+                                         # sql_env.load_tasks wraps them
 
 - The world: a retailer (stores, employees, categories, products, customers, orders,
   order_items; about 4,500 rows) generated from a seed, byte-identical for the same seed.
@@ -60,7 +61,8 @@ CREATE TABLE [employees] ([employees.employee_id] INTEGER PRIMARY KEY, [employee
   [employees.last_name] TEXT NOT NULL, [employees.role] TEXT NOT NULL,
   [employees.store_id] INTEGER NOT NULL REFERENCES [stores]([stores.store_id]),
   [employees.salary] REAL NOT NULL, [employees.hired_on] DATE NOT NULL);
-CREATE TABLE [categories] ([categories.category_id] INTEGER PRIMARY KEY, [categories.name] TEXT NOT NULL UNIQUE);
+CREATE TABLE [categories] ([categories.category_id] INTEGER PRIMARY KEY, \
+[categories.name] TEXT NOT NULL UNIQUE);
 CREATE TABLE [products] ([products.product_id] INTEGER PRIMARY KEY, [products.name] TEXT NOT NULL UNIQUE,
   [products.category_id] INTEGER NOT NULL REFERENCES [categories]([categories.category_id]),
   [products.price] REAL NOT NULL, [products.stock] INTEGER NOT NULL, [products.discontinued_on] DATE);
@@ -120,7 +122,8 @@ RENDERINGS = [
         "employees": "tbl_employee emp_id emp_first_name emp_last_name emp_role st_id emp_salary emp_hired",
         "categories": "tbl_category cat_id cat_name",
         "products": "tbl_product prod_id prod_name cat_id prod_price prod_stock prod_discontinued",
-        "customers": "tbl_customer cust_id cust_first_name cust_last_name cust_email cust_city cust_country cust_joined",
+        "customers": "tbl_customer cust_id cust_first_name cust_last_name cust_email cust_city cust_country "
+                     "cust_joined",
         "orders": "tbl_order ord_id cust_id st_id emp_id ord_date ord_status",
         "order_items": "tbl_order_item ord_id prod_id oi_quantity oi_unit_price"}),
     ("unseen", {  # held out: table words no training rendering uses, CamelCase plural
@@ -134,7 +137,8 @@ RENDERINGS = [
 ]
 HELD_OUT_RENDERING = len(RENDERINGS) - 1                 # never trained on: the test_schema split
 TRAIN_RENDERINGS = tuple(range(HELD_OUT_RENDERING))
-NAME_PREFIXES = ("", "", "app", "biz", "core", "crm", "dw", "erp", "main", "src")   # "": no prefix, 1 draw in 5
+# "": no prefix, 1 draw in 5
+NAME_PREFIXES = ("", "", "app", "biz", "core", "crm", "dw", "erp", "main", "src")
 
 
 def restyle(name, style, prefix=""):
@@ -204,7 +208,8 @@ MIXED_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))   # the t
 RENDERINGS += _mixed_renderings(len(MIXED_RENDERINGS))
 WIDE_RENDERINGS = tuple(range(len(RENDERINGS), len(RENDERINGS) + 28))    # the train_wide split's own
 RENDERINGS += _mixed_renderings(len(WIDE_RENDERINGS), kind="wide")
-GENERATED_RENDERINGS = {"train": (), "train_mixed": MIXED_RENDERINGS, "train_wide": WIDE_RENDERINGS}   # per training split
+# per training split
+GENERATED_RENDERINGS = {"train": (), "train_mixed": MIXED_RENDERINGS, "train_wide": WIDE_RENDERINGS}
 _MARKER = re.compile(r"\[(\w+)(?:\.(\w+))?\]")            # [table], [table.column] or [alias.column]
 
 
@@ -213,7 +218,8 @@ def names(rendering):
     tables, columns = {}, {}
     for table, spec in RENDERINGS[rendering][1].items():
         physical = spec.split()
-        assert len(physical) == 1 + len(COLUMNS[table].split()), f"rendering {rendering}: {table} needs every column"
+        assert len(physical) == 1 + len(COLUMNS[table].split()), (f"rendering {rendering}: {table} "
+                                                                  f"needs every column")
         tables[table] = physical[0]
         columns.update({(table, c): p for c, p in zip(COLUMNS[table].split(), physical[1:])})
     return tables, columns
@@ -337,7 +343,8 @@ def database_path(seed=0, rendering=0):
     try:
         with closing(_open_read_only(path)) as con:
             intact = (con.execute("PRAGMA quick_check").fetchone() == ("ok",) and
-                      con.execute("SELECT COUNT(*) FROM sqlite_master WHERE type = 'table'").fetchone() == (7,))
+                      con.execute("SELECT COUNT(*) FROM sqlite_master "
+                                  "WHERE type = 'table'").fetchone() == (7,))
     except sqlite3.Error:
         intact = False
     return path if intact else build_database(path, seed, rendering)
@@ -346,7 +353,8 @@ def database_path(seed=0, rendering=0):
 # Question templates: (tier, value domains, gold SQL, wordings separated by " | "). The LAST wording of
 # each is kept for the test split. Tiers follow Spider: easy = one table; medium = an aggregate, a join or
 # two conditions; hard = GROUP BY / ORDER BY / LIMIT / HAVING; extra = a nested query or two joins.
-# Names are markers (`resolve`): [table], [table.column] written bare, [alias.column] after `[table] AS alias`.
+# Names are markers (`resolve`): [table], [table.column] written bare, [alias.column] after
+# `[table] AS alias`.
 _CAT = "FROM [products] AS p JOIN [categories] AS c ON [p.category_id] = [c.category_id]"
 _ITEMS = "FROM [orders] AS o JOIN [order_items] AS i ON [o.order_id] = [i.order_id]"
 _WHO = "WHERE [c.first_name] = '{first}' AND [c.last_name] = '{last}'"
@@ -356,17 +364,20 @@ TEMPLATES = [
      "How many customers live in {city}? | Count the customers based in {city}. | What is the number of "
      "customers whose city is {city}?"),
     ("easy", "product", "SELECT [products.price] FROM [products] WHERE [products.name] = '{product}'",
-     "What is the price of the {product}? | How much does the {product} cost? | Give the price of the {product}."),
+     "What is the price of the {product}? | How much does the {product} cost? | "
+     "Give the price of the {product}."),
     ("easy", "product", "SELECT [products.stock] FROM [products] WHERE [products.name] = '{product}'",
      "How many units of the {product} are in stock? | What is the stock level of the {product}? | "
      "How many {product} units do we have in stock?"),
     ("easy", "price", "SELECT COUNT(*) FROM [products] WHERE [products.price] > {price}",
      "How many products cost more than ${price}? | Count the products priced above {price} dollars. | "
      "What is the number of products with a price over ${price}?"),
-    ("easy", "year", "SELECT COUNT(*) FROM [customers] WHERE strftime('%Y', [customers.joined_on]) = '{year}'",
+    ("easy", "year", "SELECT COUNT(*) FROM [customers] "
+     "WHERE strftime('%Y', [customers.joined_on]) = '{year}'",
      "How many customers joined in {year}? | Count the customers who signed up in {year}. | "
      "How many new customers did we get in {year}?"),
-    ("easy", "month", "SELECT COUNT(*) FROM [orders] WHERE strftime('%Y-%m', [orders.order_date]) = '{month}'",
+    ("easy", "month", "SELECT COUNT(*) FROM [orders] "
+     "WHERE strftime('%Y-%m', [orders.order_date]) = '{month}'",
      "How many orders were placed in {month_name}? | Count the orders made in {month_name}. | "
      "What is the number of orders from {month_name}?"),
     ("easy", "customer", "SELECT [customers.email] FROM [customers] AS c " + _WHO,
@@ -381,84 +392,92 @@ TEMPLATES = [
     ("medium", "category", f"SELECT COUNT(*) {_CAT} WHERE [c.name] = '{{category}}'",
      "How many products are in the {category} category? | Count the {category} products. | "
      "What is the number of products in category {category}?"),
-    ("medium", "category price", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' AND [p.price] < {{price}}",
+    ("medium", "category price", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' "
+     f"AND [p.price] < {{price}}",
      "Which {category} products cost less than ${price}? | List the {category} products priced under {price} "
      "dollars. | Name the products in the {category} category that are cheaper than ${price}."),
     ("medium", "role", "SELECT MAX([employees.salary]) FROM [employees] WHERE [employees.role] = '{role}'",
      "What is the highest salary of any {role}? | How much does the best-paid {role} earn? | "
      "Give the maximum salary among employees with the role {role}."),
-    ("medium", "country", "SELECT AVG([e.salary]) FROM [employees] AS e JOIN [stores] AS s ON [e.store_id] = [s.store_id] "
-     "WHERE [s.country] = '{country}'",
+    ("medium", "country", "SELECT AVG([e.salary]) FROM [employees] AS e JOIN [stores] AS s ON [e.store_id] = "
+     "[s.store_id] WHERE [s.country] = '{country}'",
      "What is the average salary of employees working in {country}? | How much do our employees in {country} "
      "earn on average? | Give the mean salary of staff at stores in {country}."),
-    ("medium", "city", "SELECT COUNT(*) FROM [customers] WHERE [customers.city] = '{city}' AND [customers.email] IS NULL",
+    ("medium", "city", "SELECT COUNT(*) FROM [customers] WHERE [customers.city] = '{city}' "
+     "AND [customers.email] IS NULL",
      "How many customers in {city} have no email address? | Count the customers from {city} without an "
      "email. | How many {city} customers are missing an email address?"),
-    ("medium", "city year", "SELECT COUNT(*) FROM [customers] WHERE [customers.city] = '{city}' AND strftime('%Y', "
-     "[customers.joined_on]) = '{year}'",
+    ("medium", "city year", "SELECT COUNT(*) FROM [customers] WHERE [customers.city] = '{city}' "
+     "AND strftime('%Y', [customers.joined_on]) = '{year}'",
      "How many customers from {city} joined in {year}? | Count the customers in {city} who signed up in "
      "{year}. | In {year}, how many new customers came from {city}?"),
-    ("medium", "status month", "SELECT COUNT(*) FROM [orders] WHERE [orders.status] = '{status}' AND strftime('%Y-%m', "
-     "[orders.order_date]) = '{month}'",
+    ("medium", "status month", "SELECT COUNT(*) FROM [orders] WHERE [orders.status] = '{status}' "
+     "AND strftime('%Y-%m', [orders.order_date]) = '{month}'",
      "How many orders from {month_name} have the status {status}? | Count the {status} orders placed in "
      "{month_name}. | Of the orders made in {month_name}, how many are {status}?"),
     ("medium", "city", "SELECT COUNT(*) FROM [orders] AS o JOIN [stores] AS s ON [o.store_id] = [s.store_id] "
      "WHERE [s.city] = '{city}'",
      "How many orders were placed at the store in {city}? | Count the orders of our {city} store. | "
      "What is the number of orders handled by the {city} store?"),
-    ("medium", "city", "SELECT [e.first_name], [e.last_name] FROM [employees] AS e JOIN [stores] AS s ON [e.store_id] = "
-     "[s.store_id] WHERE [s.city] = '{city}'",
+    ("medium", "city", "SELECT [e.first_name], [e.last_name] FROM [employees] AS e JOIN [stores] AS s "
+     "ON [e.store_id] = [s.store_id] WHERE [s.city] = '{city}'",
      "Who works at the store in {city}? Give first and last names. | List the names of the employees of the "
      "{city} store. | Give the first and last name of every employee at our {city} store."),
     ("medium", "product", "SELECT COUNT(*) FROM [order_items] AS i JOIN [products] AS p ON [i.product_id] = "
      "[p.product_id] WHERE [p.name] = '{product}'",
      "How many orders include the {product}? | In how many orders was the {product} bought? | "
      "Count the orders containing the {product}."),
-    ("hard", "category", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' ORDER BY [p.price] DESC LIMIT 1",
+    ("hard", "category", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' "
+     "ORDER BY [p.price] DESC LIMIT 1",
      "What is the most expensive product in the {category} category? | Which {category} product has the "
      "highest price? | Name the priciest {category} product."),
     ("hard", "category", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' ORDER BY [p.price] LIMIT 3",
      "List the three cheapest {category} products, cheapest first. | What are the 3 lowest-priced {category} "
      "products, from the cheapest? | Give the three least expensive {category} products in order of price."),
-    ("hard", "month", "SELECT [orders.status], COUNT(*) FROM [orders] WHERE strftime('%Y-%m', [orders.order_date]) = "
-     "'{month}' GROUP BY [orders.status]",
+    ("hard", "month", "SELECT [orders.status], COUNT(*) FROM [orders] "
+     "WHERE strftime('%Y-%m', [orders.order_date]) = '{month}' GROUP BY [orders.status]",
      "For each status, how many orders were placed in {month_name}? | Count the orders of {month_name} per "
      "status. | Give every order status with its number of orders in {month_name}."),
     ("hard", "price", f"SELECT [c.name], COUNT(*) {_CAT} WHERE [p.price] > {{price}} GROUP BY [c.name]",
      "For each category, how many products cost more than ${price}? | Count the products priced above "
-     "{price} dollars in every category. | Per category, give the number of products with a price over ${price}."),
+     "{price} dollars in every category. | "
+     "Per category, give the number of products with a price over ${price}."),
     ("hard", "price", f"SELECT [c.name] {_CAT} GROUP BY [c.name] HAVING AVG([p.price]) > {{price}}",
      "Which categories have an average product price above ${price}? | List the categories whose products "
-     "cost more than {price} dollars on average. | Name the categories with a mean price greater than ${price}."),
-    ("hard", "salary", "SELECT [employees.role], COUNT(*) FROM [employees] WHERE [employees.salary] > {salary} "
-     "GROUP BY [employees.role]",
+     "cost more than {price} dollars on average. | "
+     "Name the categories with a mean price greater than ${price}."),
+    ("hard", "salary", "SELECT [employees.role], COUNT(*) FROM [employees] "
+     "WHERE [employees.salary] > {salary} GROUP BY [employees.role]",
      "For each role, how many employees earn more than {salary}? | Count the employees with a salary above "
      "{salary} per role. | Per role, give the number of staff members paid over {salary}."),
-    ("hard", "city", "SELECT [e.first_name], [e.last_name] FROM [employees] AS e JOIN [stores] AS s ON [e.store_id] = "
-     "[s.store_id] WHERE [s.city] = '{city}' ORDER BY [e.salary] DESC LIMIT 1",
+    ("hard", "city", "SELECT [e.first_name], [e.last_name] FROM [employees] AS e JOIN [stores] AS s "
+     "ON [e.store_id] = [s.store_id] WHERE [s.city] = '{city}' ORDER BY [e.salary] DESC LIMIT 1",
      "Who is the best-paid employee at the {city} store? | Which employee of the {city} store has the "
      "highest salary? | Name the employee with the top salary at our store in {city}."),
     ("hard", "country", "SELECT [customers.city] FROM [customers] WHERE [customers.country] = '{country}' "
      "GROUP BY [customers.city] ORDER BY COUNT(*) DESC LIMIT 1",
      "Which city in {country} has the most customers? | In {country}, which city do most of our customers "
      "live in? | Name the city of {country} with the largest number of customers."),
-    ("hard", "customer", "SELECT [o.order_date] FROM [orders] AS o JOIN [customers] AS c ON [o.customer_id] = "
-     f"[c.customer_id] {_WHO} ORDER BY [o.order_date] DESC LIMIT 1",
+    ("hard", "customer", "SELECT [o.order_date] FROM [orders] AS o JOIN [customers] AS c "
+     f"ON [o.customer_id] = [c.customer_id] {_WHO} ORDER BY [o.order_date] DESC LIMIT 1",
      "When did {first} {last} place their most recent order? | What is the date of the latest order by "
      "{first} {last}? | On which day did customer {first} {last} last order?"),
     ("extra", "category", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' AND [p.price] > "
      "(SELECT AVG([products.price]) FROM [products])",
      "Which {category} products cost more than the average product? | List the {category} products priced "
-     "above the average price of all products. | Name the {category} products dearer than the overall average."),
-    ("extra", "city", "SELECT [customers.first_name], [customers.last_name] FROM [customers] WHERE [customers.city] = "
-     "'{city}' AND [customers.customer_id] NOT IN (SELECT [orders.customer_id] FROM [orders])",
+     "above the average price of all products. | "
+     "Name the {category} products dearer than the overall average."),
+    ("extra", "city", "SELECT [customers.first_name], [customers.last_name] FROM [customers] "
+     "WHERE [customers.city] = '{city}' AND [customers.customer_id] NOT IN "
+     "(SELECT [orders.customer_id] FROM [orders])",
      "Which customers in {city} have never placed an order? | List the customers from {city} without any "
      "orders. | Give the names of {city} customers who have not ordered anything."),
     ("extra", "city year", f"SELECT {_REVENUE} {_ITEMS} JOIN [stores] AS s ON [o.store_id] = [s.store_id] "
      "WHERE [s.city] = '{city}' AND strftime('%Y', [o.order_date]) = '{year}'",
      "What was the total revenue of the {city} store in {year}? | How much did the {city} store sell in "
      "{year}, in money? | Give the {year} sales revenue of our store in {city}."),
-    ("extra", "category", f"SELECT [p.name] {_CAT} JOIN [order_items] AS i ON [i.product_id] = [p.product_id] "
+    ("extra", "category", f"SELECT [p.name] {_CAT} JOIN [order_items] AS i "
+     "ON [i.product_id] = [p.product_id] "
      "WHERE [c.name] = '{category}' GROUP BY [p.product_id] ORDER BY SUM([i.quantity]) DESC LIMIT 1",
      "Which {category} product has sold the most units? | What is the best-selling {category} product by "
      "quantity? | Name the {category} product with the largest number of units sold."),
@@ -466,33 +485,35 @@ TEMPLATES = [
      "[i.product_id] = [p.product_id] JOIN [categories] AS c ON [p.category_id] = [c.category_id] "
      "WHERE [c.name] = '{category}' AND strftime('%Y', [o.order_date]) = '{year}'",
      "How many different customers bought {category} products in {year}? | Count the distinct customers who "
-     "ordered {category} items in {year}. | In {year}, how many customers bought from the {category} category?"),
-    ("extra", "city", f"SELECT [c.first_name], [c.last_name] {_ITEMS} JOIN [customers] AS c ON [o.customer_id] = "
-     f"[c.customer_id] WHERE [c.city] = '{{city}}' GROUP BY [c.customer_id] ORDER BY {_REVENUE} DESC LIMIT 1",
+     "ordered {category} items in {year}. | "
+     "In {year}, how many customers bought from the {category} category?"),
+    ("extra", "city", f"SELECT [c.first_name], [c.last_name] {_ITEMS} JOIN [customers] AS c "
+     f"ON [o.customer_id] = [c.customer_id] WHERE [c.city] = '{{city}}' "
+     f"GROUP BY [c.customer_id] ORDER BY {_REVENUE} DESC LIMIT 1",
      "Which customer from {city} has spent the most money? | Who is the biggest spender among our {city} "
      "customers? | Name the {city} customer with the highest total spending."),
-    ("extra", "customer", f"SELECT {_REVENUE} {_ITEMS} JOIN [customers] AS c ON [o.customer_id] = [c.customer_id] "
-     + _WHO,
+    ("extra", "customer", f"SELECT {_REVENUE} {_ITEMS} JOIN [customers] AS c "
+     "ON [o.customer_id] = [c.customer_id] " + _WHO,
      "How much has {first} {last} spent in total? | What is the total amount of all orders by {first} "
      "{last}? | Give the total spending of customer {first} {last}."),
-    ("extra", "product", f"SELECT COUNT(DISTINCT [o.customer_id]) {_ITEMS} JOIN [products] AS p ON [i.product_id] = "
-     "[p.product_id] WHERE [p.name] = '{product}'",
+    ("extra", "product", f"SELECT COUNT(DISTINCT [o.customer_id]) {_ITEMS} JOIN [products] AS p "
+     "ON [i.product_id] = [p.product_id] WHERE [p.name] = '{product}'",
      "How many different customers have bought the {product}? | Count the distinct customers who ordered "
      "the {product}. | By how many customers was the {product} purchased?"),
 ]
 # Whole templates used only in test: new combinations of skills that train teaches separately.
 HELD_OUT_TEMPLATES = [
-    ("easy", "city", "SELECT [customers.first_name], [customers.last_name] FROM [customers] WHERE [customers.city] = "
-     "'{city}' AND [customers.email] IS NULL",
+    ("easy", "city", "SELECT [customers.first_name], [customers.last_name] FROM [customers] "
+     "WHERE [customers.city] = '{city}' AND [customers.email] IS NULL",
      "Which customers in {city} have no email address? Give their names."),
-    ("medium", "city month", "SELECT COUNT(*) FROM [orders] AS o JOIN [stores] AS s ON [o.store_id] = [s.store_id] "
-     "WHERE [s.city] = '{city}' AND strftime('%Y-%m', [o.order_date]) = '{month}'",
+    ("medium", "city month", "SELECT COUNT(*) FROM [orders] AS o JOIN [stores] AS s ON [o.store_id] = "
+     "[s.store_id] WHERE [s.city] = '{city}' AND strftime('%Y-%m', [o.order_date]) = '{month}'",
      "How many orders did the {city} store receive in {month_name}?"),
-    ("hard", "category price", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' AND [p.price] < {{price}} "
-     "ORDER BY [p.price] DESC LIMIT 1",
+    ("hard", "category price", f"SELECT [p.name] {_CAT} WHERE [c.name] = '{{category}}' "
+     f"AND [p.price] < {{price}} ORDER BY [p.price] DESC LIMIT 1",
      "What is the most expensive {category} product that costs less than ${price}?"),
-    ("extra", "product year", f"SELECT {_REVENUE} {_ITEMS} JOIN [products] AS p ON [i.product_id] = [p.product_id] "
-     "WHERE [p.name] = '{product}' AND strftime('%Y', [o.order_date]) = '{year}'",
+    ("extra", "product year", f"SELECT {_REVENUE} {_ITEMS} JOIN [products] AS p ON [i.product_id] = "
+     "[p.product_id] WHERE [p.name] = '{product}' AND strftime('%Y', [o.order_date]) = '{year}'",
      "How much revenue did the {product} bring in {year}?"),
 ]
 PER_TEMPLATE = {"train": 60, "test": 10}  # most questions one template may contribute to a split

@@ -6,7 +6,8 @@ agent explores with `list_tables`, `describe_table` and `run_sql`, then ends the
 (`execution_match`, the rule of the Spider test-suite evaluator). Tool observations are short
 plain text, fed back to a small model with a short context.
 
-    python sql_env.py          # a tour: the schema, sample questions per tier, the held-out schema, split sizes
+    python sql_env.py          # a tour: the schema, sample questions per tier, the held-out schema,
+                               # split sizes
 
 Top to bottom:
 1. The sandbox. Agent SQL is hostile input. `run_query` opens the file read-only (URI `mode=ro`,
@@ -168,12 +169,14 @@ def tables_read(db_path, sql):
     the statement is compiled under EXPLAIN, never run. Raises SQLError if it does not compile."""
     con, read = _connect(db_path), {}
     # the authorizer reports a name as the query spells it or as the schema does: report the schema's
-    canonical = {name.lower(): name for name, in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
+    canonical = {name.lower(): name
+                 for name, in con.execute("SELECT name FROM sqlite_master WHERE type = 'table'")}
 
     def authorize(action, arg1, arg2, db_name, trigger):
         if action == sqlite3.SQLITE_READ and arg1.lower() in canonical:    # not a CTE's own name
             read.setdefault(canonical[arg1.lower()], None)
-        allowed = action in _ALLOWED or (action == sqlite3.SQLITE_FUNCTION and arg2.lower() != "load_extension")
+        allowed = action in _ALLOWED or (action == sqlite3.SQLITE_FUNCTION
+                                         and arg2.lower() != "load_extension")
         return sqlite3.SQLITE_OK if allowed else sqlite3.SQLITE_DENY
 
     con.set_authorizer(authorize)
@@ -258,7 +261,8 @@ def _tool(name, description, **args):
 
 TOOLS = [
     _tool("list_tables", "List the tables of the database and their columns."),
-    _tool("describe_table", "Show one table's columns, types, keys and 3 sample rows.", table="the table name"),
+    _tool("describe_table", "Show one table's columns, types, keys and 3 sample rows.",
+          table="the table name"),
     _tool("run_sql", "Run one read-only SQLite SELECT query and see its result.", query="the SQL query"),
     _tool("submit_answer", "Submit the SQL query that answers the question. This ends the episode.",
           query="the final SQL query"),
@@ -298,8 +302,9 @@ class SQLEnv:
         self.gold_error = None  # set if the task's own gold SQL failed: a data bug, not an agent error
         # the behaviour, counted: does the agent look before it queries, and submit what failed?
         self.num_describe_calls = 0   # describe_table calls, a wrong table name included
-        self.submit_error = None      # why the submitted query failed to run (None: it ran, or no submission);
-                                      #   a query whose last run failed fails again, so this counts that too
+        # why the submitted query failed to run (None: it ran, or no submission);
+        #   a query whose last run failed fails again, so this counts that too
+        self.submit_error = None
 
     def call(self, name, arguments):
         """Run tool `name` with `arguments` (a dict) and return the observation text."""
@@ -320,7 +325,8 @@ class SQLEnv:
         if not isinstance(name, str) or name not in _TOOL_ARGS:
             raise ToolError(f"unknown tool {name!r}; the tools are {', '.join(_TOOL_ARGS)}")
         arguments = {} if arguments is None else arguments
-        usage = f"{name} takes " + (", ".join(f'"{a}" (a string)' for a in _TOOL_ARGS[name]) or "no arguments")
+        usage = f"{name} takes " + (", ".join(f'"{a}" (a string)' for a in _TOOL_ARGS[name])
+                                    or "no arguments")
         if not isinstance(arguments, dict) or set(arguments) != set(_TOOL_ARGS[name]):
             raise ToolError(f"{usage}, got {json.dumps(arguments, default=str)[:200]}")
         if not all(isinstance(v, str) for v in arguments.values()):
@@ -335,7 +341,8 @@ class SQLEnv:
         return [row[0] for row in self._query(sql)[1]]
 
     def _list_tables(self):
-        return "\n".join(f"{t}: " + ", ".join(col[1] for col in self._query(f"PRAGMA table_info({_quote(t)})")[1])
+        return "\n".join(f"{t}: " + ", ".join(col[1]
+                                              for col in self._query(f"PRAGMA table_info({_quote(t)})")[1])
                          for t in self._tables())
 
     def _describe_table(self, table):
@@ -431,14 +438,18 @@ def load_tasks(source=None, split="train", seed=0):
         train = load_tasks(source, "train", seed)
         size = min(VAL_SIZE, len(train) // 4)
         if not size:
-            raise ValueError(f"{source or 'default'}: {len(train)} train tasks, too few to hold a quarter out as split val")
+            raise ValueError(f"{source or 'default'}: {len(train)} train tasks, "
+                             f"too few to hold a quarter out as split val")
         return [train[i] for i in sorted(random.Random(0).sample(range(len(train)), size))]
     if source in (None, "default"):
         if split not in retail.SPLITS:
-            raise ValueError(f"the embedded question set has splits {', '.join(retail.SPLITS)}, not {split!r}")
+            raise ValueError(f"the embedded question set has splits {', '.join(retail.SPLITS)}, "
+                             f"not {split!r}")
         questions = retail.split_questions(split, seed)
-        dbs = {r: retail.database_path(seed, r) for r in sorted({q[3] for q in questions})}  # one file per rendering
-        return [Task(f"retail-{split}-{i:04d}", dbs[rendering], question, gold_sql, difficulty=tier, split=split)
+        # one file per rendering
+        dbs = {r: retail.database_path(seed, r) for r in sorted({q[3] for q in questions})}
+        return [Task(f"retail-{split}-{i:04d}", dbs[rendering], question, gold_sql, difficulty=tier,
+                     split=split)
                 for i, (tier, question, gold_sql, rendering) in enumerate(questions)]
     root = Path(source)
     if not root.is_dir():
@@ -463,7 +474,8 @@ if __name__ == "__main__":
             print(f"[{tier}] {task.question}\n  {task.gold_sql}\n  "
                   + SQLEnv(task).call("run_sql", {"query": task.gold_sql}).replace("\n", "\n  ") + "\n")
     held_out = SQLEnv(splits["test_schema"][0])
-    print(">>> list_tables() on the held-out schema (split test_schema)\n" + held_out.call("list_tables", {}) + "\n")
+    print(">>> list_tables() on the held-out schema (split test_schema)\n"
+          + held_out.call("list_tables", {}) + "\n")
     for split, tasks in splits.items():
         counts = ", ".join(f"{tier} {sum(t.difficulty == tier for t in tasks)}" for tier in TIERS)
         print(f"{split}: {len(tasks)} questions ({counts})")

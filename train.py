@@ -30,9 +30,7 @@ import errno
 import json
 import os
 import random
-import resource
 import shutil
-import sys
 import textwrap
 import time
 from dataclasses import asdict, dataclass, field, fields
@@ -51,12 +49,12 @@ import lora
 import parallel
 import report
 import sql_env
-from evaluate import (WEIGHT_DTYPES, behaviour, episode_record, evaluate_splits, format_evals, format_history,
-                      load_eval_sets, paired_line, split_outcomes)
+from evaluate import WEIGHT_DTYPES, evaluate_splits, format_evals, load_eval_sets
 from files import read_json, read_jsonl, write_text_atomic
 
 FRONTIER_SHARE = 0.75  # share of a step's tasks drawn from the frontier (sample_tasks)
-CANDIDATES = 2        # tasks rolled out per group trained on: the mixed groups among them are kept (mixed_first)
+# tasks rolled out per group trained on: the mixed groups among them are kept (mixed_first)
+CANDIDATES = 2
 SFT_BATCH_SIZE = 2     # demonstrations per warm-start step
 
 
@@ -74,8 +72,8 @@ class Config:
     lora_alpha: float = knob(32.0, "LoRA alpha (scale = alpha / r)")
     data: str = knob("default", "'default' (the embedded set), or a Spider or BIRD folder")
     train_split: str = knob("train", "split to train on (embedded set: train, train_mixed, train_wide)")
-    eval_split: str | None = knob(None, "held-out splits, comma-separated (test, test_schema, val: a slice of "
-                                        "train); None: test, or dev")
+    eval_split: str | None = knob(None, "held-out splits, comma-separated (test, test_schema, val: a slice "
+                                        "of train); None: test, or dev")
     steps: int = knob(4, "GRPO steps")
     groups_per_step: int = knob(2, "tasks per step")
     group_size: int = knob(8, "trajectories per task (the N of GRPO)")
@@ -83,28 +81,36 @@ class Config:
     max_new_tokens: int = knob(128, "sampled tokens per turn")
     max_context: int = knob(2048, "tokens per trajectory, prompt included")
     temperature: float = knob(0.5, "sampling temperature of the rollouts")
-    judge: str = knob("auto", "auto (GPU: local, CPU: none), local, none (bonus alone), http ($OPENAI_BASE_URL) or a URL")
-    judge_model: str | None = knob(None, "local: HF id or folder (None: the policy's base model); http: model name")
-    judge_max_tokens: int = knob(1024, "tokens the judge may write per reply (a reasoning judge needs several thousand)")
+    judge: str = knob("auto", "auto (GPU: local, CPU: none), local, none (bonus alone), "
+                              "http ($OPENAI_BASE_URL) or a URL")
+    judge_model: str | None = knob(None, "local: HF id or folder (None: the policy's base model); "
+                                         "http: model name")
+    judge_max_tokens: int = knob(1024, "tokens the judge may write per reply "
+                                       "(a reasoning judge needs several thousand)")
     judge_timeout: float = knob(60.0, "http: seconds to wait for one reply")
     rubric: str | None = knob(None, "file with a rubric replacing the default one")
     bonus: float = knob(1.0, "reward added for an execution-correct answer")
     sft_steps: int = knob(48, "supervised steps on gold demonstrations before RL; 0: none")
     sft_lr: float = knob(1e-3, "learning rate of the warm start")
-    update: Literal["grpo", "rft"] = knob("grpo", "grpo: clipped policy gradient; rft: SFT on the correct rollouts")
+    update: Literal["grpo", "rft"] = knob("grpo", "grpo: clipped policy gradient; "
+                                                  "rft: SFT on the correct rollouts")
     lr: float = knob(1e-4, "AdamW learning rate of the RL steps")
-    loss: Literal["token", "sequence", "constant"] = knob("token", "token: DAPO, sequence: GRPO, constant: Dr. GRPO")
+    loss: Literal["token", "sequence", "constant"] = knob("token", "token: DAPO, sequence: GRPO, "
+                                                                   "constant: Dr. GRPO")
     no_std_scaling: bool = knob(False, "advantages not divided by the group std (Dr. GRPO)")
     clip_low: float = knob(0.2, "ratio clipped below 1 - clip_low")
     clip_high: float = knob(0.28, "ratio clipped above 1 + clip_high (DAPO clip-higher)")
     kl_coef: float = knob(0.0, "k3 KL penalty to the policy RL started from (after SFT, or --adapter)")
     micro_batch_size: int = knob(8, "trajectories of a group per forward/backward (their shared turns once)")
-    grad_checkpointing: bool = knob(True, "recompute each layer in the backward instead of keeping activations")
+    grad_checkpointing: bool = knob(True, "recompute each layer in the backward "
+                                          "instead of keeping activations")
     eval_every: int = knob(0, "evaluate every K steps (0: only before and after training)")
     eval_size: int = knob(0, "held-out tasks per evaluation, the same whatever --seed (0: all)")
-    eval_processes: int = knob(0, "on a CPU, evaluate in this many forked one-thread processes (0: one per core)")
+    eval_processes: int = knob(0, "on a CPU, evaluate in this many forked one-thread processes "
+                                  "(0: one per core)")
     eval_dtype: Literal["fp32", "bf16"] = knob("bf16", "on a CPU, the weights' precision in evaluations")
-    eval_only: bool = knob(False, "evaluate --model/--adapter on --eval-split, write the record to --out, exit")
+    eval_only: bool = knob(False, "evaluate --model/--adapter on --eval-split, "
+                                  "write the record to --out, exit")
     out: str = knob("runs/default", "run folder")
     resume: bool = knob(False, "continue the run in --out from its last checkpoint")
     seed: int = knob(0, "seeds tasks, sampling and LoRA init")
@@ -115,8 +121,9 @@ class Config:
         return [split.strip() for split in names.split(",") if split.strip()]
 
 
-GPU_DEFAULTS = dict(steps=40, groups_per_step=8, max_new_tokens=256, max_context=4096, temperature=1.0, sft_steps=0,
-                    lr=5e-5, micro_batch_size=4, eval_every=10, eval_split="test,test_schema")   # the only defaults a GPU changes
+# the only defaults a GPU changes
+GPU_DEFAULTS = dict(steps=40, groups_per_step=8, max_new_tokens=256, max_context=4096, temperature=1.0,
+                    sft_steps=0, lr=5e-5, micro_batch_size=4, eval_every=10, eval_split="test,test_schema")
 SECTIONS = {"model": "model and LoRA", "data": "data", "steps": "rollouts", "judge": "judge and reward",
             "sft_steps": "supervised warm start", "update": "update", "eval_every": "evaluation and run"}
 
@@ -131,7 +138,8 @@ def parse_args(argv=None) -> Config:
     defaults = Config(**(GPU_DEFAULTS if on_gpu else {}))
     gpu = ", ".join(f"--{k.replace('_', '-')} {v}" for k, v in GPU_DEFAULTS.items())
     p = argparse.ArgumentParser(description=__doc__, formatter_class=_HelpFormatter,
-                                epilog=textwrap.fill(f"The defaults shown are this machine's; on a GPU: {gpu}.", 96))
+                                epilog=textwrap.fill(f"The defaults shown are this machine's; "
+                                                     f"on a GPU: {gpu}.", 96))
     for f in fields(Config):
         group = p.add_argument_group(SECTIONS[f.name]) if f.name in SECTIONS else group
         options = dict(default=getattr(defaults, f.name), help=f.metadata["help"])
@@ -152,17 +160,20 @@ def parse_args(argv=None) -> Config:
 
 def check(c):
     """Raise ValueError naming the flag of the first setting that cannot run."""
-    positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context", "micro_batch_size",
-                "lora_r", "judge_max_tokens"]
+    positive = ["groups_per_step", "group_size", "max_turns", "max_new_tokens", "max_context",
+                "micro_batch_size", "lora_r", "judge_max_tokens"]
     held_out = "val" in c.eval_splits    # the validation slice of train, then never trained on
     adapter_run = c.adapter and os.path.dirname(os.path.normpath(c.adapter))
     problems = [
         (c.steps < 0, f"--steps must be >= 0, got {c.steps}"),
         (c.sft_steps < 0, f"--sft-steps must be >= 0, got {c.sft_steps}"),
         (c.sft_steps and c.max_turns < agentrl.DEMO_TURNS,
-         f"--sft-steps: the demonstrations take {agentrl.DEMO_TURNS} turns; use --max-turns >= {agentrl.DEMO_TURNS}"),
-        *[(getattr(c, name) < 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}") for name in positive],
-        (c.group_size < 2 and not c.eval_only, "--group-size must be >= 2: GRPO compares trajectories within a group"),
+         f"--sft-steps: the demonstrations take {agentrl.DEMO_TURNS} turns; "
+         f"use --max-turns >= {agentrl.DEMO_TURNS}"),
+        *[(getattr(c, name) < 1, f"--{name.replace('_', '-')} must be >= 1, got {getattr(c, name)}")
+          for name in positive],
+        (c.group_size < 2 and not c.eval_only,
+         "--group-size must be >= 2: GRPO compares trajectories within a group"),
         (not 0 < c.temperature <= 10, "--temperature must be in (0, 10]"),
         (not 0 <= c.eval_processes <= 64, "--eval-processes must be in [0, 64]"),
         (c.judge not in ("auto", "local", "none", "http") and not c.judge.startswith(("http://", "https://")),
@@ -175,13 +186,15 @@ def check(c):
         (c.rubric and not os.path.isfile(c.rubric), f"--rubric {c.rubric!r}: no such file"),
         (not c.eval_splits or len(set(c.eval_splits)) < len(c.eval_splits),
          f"--eval-split {c.eval_split!r}: name one or more different splits, comma-separated"),
-        (held_out and c.train_split != "train" and not c.eval_only, f"--eval-split val is a slice of the train split, "
-         f"held out of training: it needs --train-split train, not {c.train_split!r}"),
-        (held_out and adapter_run and trained_with_val_held_out(adapter_run) is False, f"--adapter {c.adapter!r} was "
-         f"trained on the val tasks (its run did not evaluate on val): its val scores would be training scores"),
+        (held_out and c.train_split != "train" and not c.eval_only, f"--eval-split val is a slice of the "
+         f"train split, held out of training: it needs --train-split train, not {c.train_split!r}"),
+        (held_out and adapter_run and trained_with_val_held_out(adapter_run) is False,
+         f"--adapter {c.adapter!r} was trained on the val tasks (its run did not evaluate on val): "
+         f"its val scores would be training scores"),
         (c.resume and not c.eval_only and trained_with_val_held_out(c.out) not in (None, held_out),
-         f"--resume: the run in {c.out!r} was started {'without' if held_out else 'with'} val among its --eval-split, "
-         f"so it {'trained on' if held_out else 'held out'} the val tasks: resume it with the same --eval-split"),
+         f"--resume: the run in {c.out!r} was started {'without' if held_out else 'with'} val "
+         f"among its --eval-split, so it {'trained on' if held_out else 'held out'} the val tasks: "
+         f"resume it with the same --eval-split"),
     ]
     for bad, message in problems:
         if bad:
@@ -209,14 +222,16 @@ def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=FRONTIER_SHAR
     frontier = {tid: p for tid, p in sorted(task_stats["tasks"].items()) if 0 < p < 1 and tid in by_id}
     tiers = sorted(tasks_by_tier)
     tier_rates = [task_stats["tiers"].get(tier, 0.5) for tier in tiers]
-    tier_weights = [p * (1 - p) + 0.05 for p in tier_rates]    # peaks at p = 0.5, where a group is most often mixed
+    # peaks at p = 0.5, where a group is most often mixed
+    tier_weights = [p * (1 - p) + 0.05 for p in tier_rates]
     chosen = []
     for _ in range(k):
         if frontier and rng.random() < frontier_share:
             tid = rng.choices(list(frontier), weights=[p * (1 - p) for p in frontier.values()])[0]
         else:
             tier = rng.choices(tiers, weights=tier_weights)[0]
-            fresh = [task.id for task in tasks_by_tier[tier] if task.id not in chosen]   # one group per task and step
+            # one group per task and step
+            fresh = [task.id for task in tasks_by_tier[tier] if task.id not in chosen]
             tid = rng.choice(fresh or [task.id for task in tasks_by_tier[tier]])
         frontier.pop(tid, None)
         chosen.append(tid)
@@ -253,7 +268,8 @@ def sft_batches(config, tokenizer, train_tasks, limits):
                    for turn in agentrl.gold_turns(task, max_turns=limits.max_turns))
     demo_tasks = [task for task in train_tasks if fits(task)]
     if not demo_tasks:
-        raise SystemExit(f"--sft-steps: no gold demonstration fits --max-new-tokens {limits.max_new_tokens}; raise it")
+        raise SystemExit(f"--sft-steps: no gold demonstration fits "
+                         f"--max-new-tokens {limits.max_new_tokens}; raise it")
     print(f"sft: {len(demo_tasks)} look demonstrations ({len(train_tasks) - len(demo_tasks)} left out: "
           f"a turn exceeds --max-new-tokens)")
     rng = random.Random(config.seed + 1)
@@ -268,18 +284,21 @@ def warm_start(config, model, tokenizer, batches, limits, grpo_config, metrics_p
     optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=config.sft_lr, weight_decay=0.0)
     device_type = next(model.parameters()).device.type
     scaler = torch.amp.GradScaler(device_type, enabled=use_grad_scaler)  # its own, like its optimizer
-    for step, tasks in enumerate(tqdm(batches, desc="sft", dynamic_ncols=True, disable=not parallel.is_main()), 1):
+    for step, tasks in enumerate(tqdm(batches, desc="sft", dynamic_ncols=True,
+                                      disable=not parallel.is_main()), 1):
         t0 = time.time()
         batch = [agentrl.demonstration(tokenizer, task, limits=limits) for task in tasks]
         dropped = sum(t.stop_reason != "submitted" for t in batch)    # cut by --max-context before submitting
         batch = [t for t in batch if t.stop_reason == "submitted"]
         if not batch:
-            raise SystemExit(f"--sft-steps: the demonstrations do not fit --max-context {limits.max_context}; raise it")
+            raise SystemExit(f"--sft-steps: the demonstrations do not fit "
+                             f"--max-context {limits.max_context}; raise it")
         stats = grpo.sft_step(model, optimizer, batch, grpo_config, scaler)
-        append_jsonl(metrics_path, {"sft_step": step, **stats, "sft_dropped": dropped, "time_step": time.time() - t0})
+        report.append_jsonl(metrics_path, {"sft_step": step, **stats, "sft_dropped": dropped,
+                                           "time_step": time.time() - t0})
         if step % 4 == 0 or step == config.sft_steps:
-            tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float) else f"{k}={v}"
-                                                         for k, v in stats.items()))
+            tqdm.write(f"sft step {step}: " + " | ".join(f"{k}={v:.4g}" if isinstance(v, float)
+                                                         else f"{k}={v}" for k, v in stats.items()))
     if parallel.is_main():
         lora.save_adapter(model, os.path.join(config.out, "sft"))
 
@@ -291,10 +310,11 @@ def make_judge(config, model, tokenizer, device):
     kind = config.judge if config.judge != "auto" else ("local" if device.type == "cuda" else "none")
     if kind.startswith("http"):
         url = kind if "://" in kind else None     # --judge http: $OPENAI_BASE_URL
-        backend = judge.HTTPBackend(base_url=url, model=config.judge_model, max_tokens=config.judge_max_tokens,
-                                        timeout_s=config.judge_timeout)
+        backend = judge.HTTPBackend(base_url=url, model=config.judge_model,
+                                        max_tokens=config.judge_max_tokens, timeout_s=config.judge_timeout)
         if (problem := backend.check()) is not None:
-            raise SystemExit(f"judge endpoint unreachable: {problem}\nfix --judge URL, or train with --judge local or none")
+            raise SystemExit(f"judge endpoint unreachable: {problem}\n"
+                             f"fix --judge URL, or train with --judge local or none")
         return backend
     if kind == "local" and config.judge_model:
         return judge.LocalBackend(*lora.load_model(config.judge_model, device=device),
@@ -305,7 +325,7 @@ def make_judge(config, model, tokenizer, device):
     return None
 
 
-def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
+def score_groups(groups, judge_backend, rubric, bonus):
     """Rewards, one list per group: the judge's relative score plus the correctness bonus. A group
     the judge cannot score (or `--judge none`) keeps the bonus alone.
     Returns (rewards, judge results, how many groups the judge failed to score)."""
@@ -313,154 +333,15 @@ def score_groups(groups, judge_backend, rubric, bonus, cache_dir):
     for group in groups:
         correct = [float(t.correct) for t in group.trajectories]
         if judge_backend is None:
-            result = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="no judge")
+            result = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0,
+                                       error="no judge")
         else:
-            result = judge.score_group([t.messages for t in group.trajectories], judge_backend, rubric=rubric,
-                                           cache_dir=cache_dir)
+            result = judge.score_group(group.tree, judge_backend, rubric=rubric)
             judge_failed += not result.scored
         scores = result.scores if result.scored else [0.0] * len(correct)
         rewards.append([score + bonus * c for score, c in zip(scores, correct)])  # the reward
         results.append(result)
     return rewards, results, judge_failed
-
-
-def judge_counters(results):
-    """How the judge fared this step, so a bad judge shows at once: groups whose reply was on
-    another scale and rescaled in order, and correction turns sent (unusable replies, scores
-    above 1). Groups it left unscored are judge_failed_groups (score_groups)."""
-    return {"judge_rescaled_groups": sum(bool(r.rescaled) for r in results),
-            "judge_corrections": sum(max(0, r.attempts - 1) for r in results)}
-
-
-def judge_agreement(groups, results):
-    """How far to trust the judge this step: over the groups it scored that hold both right and
-    wrong rollouts, the mean share of (right, wrong) pairs it ranked the right way (judge.agreement),
-    and how many groups that is. None where no group had both."""
-    values = [a for group, r in zip(groups, results) if r.scored and
-              (a := judge.agreement(r.scores, [t.correct for t in group.trajectories])) is not None]
-    return {"judge_agreement": sum(values) / len(values) if values else None, "judge_agreement_groups": len(values)}
-
-
-def judge_noise_warning(records, least_groups=8, margin=0.1):
-    """A plain warning, or None: the judge's agreement with execution correctness over the run's
-    step records so far is within `margin` of the 0.5 a coin would score (after `least_groups` groups)."""
-    counted = [r for r in records if r.get("judge_agreement") is not None]
-    groups = sum(r["judge_agreement_groups"] for r in counted)
-    if groups < least_groups:
-        return None
-    mean = sum(r["judge_agreement"] * r["judge_agreement_groups"] for r in counted) / groups
-    if abs(mean - 0.5) >= margin:
-        return None
-    return (f"warning: over {groups} groups the judge ranked a right rollout above a wrong one {mean:.0%} of the "
-            f"time, about as often as a coin would: its scores add noise to the reward. Try a stronger "
-            f"--judge-model, or train on correctness alone with --judge none.")
-
-
-# ----------------------------------------------------------------------------- logging
-def append_jsonl(path, record):
-    if not parallel.is_main():   # every writer of the run folder: rank 0 only
-        return
-    with open(path, "a") as f:
-        f.write(json.dumps(record) + "\n")
-
-
-def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
-    """One step's metrics, the record in metrics.jsonl (step_line prints the gist). groups and
-    rewards: the groups kept for the update; pass_rates: every rolled-out group's [(task, rate)];
-    counts: from grpo.batch_from_groups; stats: from the update; extra: judge failures and times."""
-    trajectories = [t for g in groups for t in g.trajectories]
-    flat_rewards = [r for rs in rewards for r in rs]
-    reward_mean = sum(flat_rewards) / len(flat_rewards)
-    return {
-        "step": step,
-        "reward_mean": reward_mean,
-        "reward_std": (sum((r - reward_mean) ** 2 for r in flat_rewards) / len(flat_rewards)) ** 0.5,
-        "train_accuracy": sum(rate for _, rate in pass_rates) / len(pass_rates),   # every candidate's rollouts
-        "candidate_groups": len(pass_rates),
-        "mixed_candidates": sum(0 < rate < 1 for _, rate in pass_rates),
-        "trainable_groups": counts["trainable_groups"],
-        "mixed_group_rate": counts["trainable_groups"] / len(groups),
-        "zero_variance_groups": counts["zero_variance_groups"],
-        "non_finite_trajectories": counts["non_finite_trajectories"],
-        "submitted_groups": len(groups),
-        "kept_accuracy": sum(t.correct for t in trajectories) / len(trajectories),   # the groups trained on
-        "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
-        "tool_error_rate": sum(t.num_tool_errors for t in trajectories) / max(1, sum(t.num_tool_calls for t in trajectories)),
-        **behaviour(trajectories),
-        "gen_tokens": sum(sum(t.assistant_mask) for t in trajectories),
-        "rollout_entropy": grpo.sampled_entropy(trajectories),   # every rollout's, trained or not (stats' entropy: the trained)
-        **extra,
-        **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
-    }
-
-
-def step_line(record, steps):
-    """A step as one line: the signal found, the reward, how far the update moved, whether it ran."""
-    clipped = (f"clipped {record['clip_frac_low'] + record['clip_frac_high']:.1%} of tokens | "
-               if "clip_frac_low" in record else "")       # (--update rft clips nothing)
-    update = f"update skipped ({record.get('skip_reason', 'unknown')})" if record["skipped"] else clipped + "update applied"
-    judged = (f" | judge agreement {record['judge_agreement']:.2f} ({record['judge_agreement_groups']} groups)"
-              if record.get("judge_agreement") is not None else "")
-    if record.get("judge_failed_groups") or record.get("judge_rescaled_groups") or record.get("judge_corrections"):
-        judged += (f" | judge: {record['judge_failed_groups']} groups failed, {record['judge_rescaled_groups']} "
-                   f"rescaled, {record['judge_corrections']} corrections")
-    return (f"step {record['step']}/{steps} | mixed groups {record['mixed_candidates']}/{record['candidate_groups']}, "
-            f"{record['trainable_groups']} trained on | kept groups: reward {record['reward_mean']:.2f} ± "
-            f"{record['reward_std']:.2f}, accuracy {record['kept_accuracy']:.2f} | every candidate: accuracy "
-            f"{record['train_accuracy']:.2f} | {update}{judged} | {record['time_step']:.0f} s")
-
-
-def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
-    """trajectories/step_XXXX.jsonl: every conversation of the step with its reward, judgement and
-    advantage. trained: {id(trajectory): advantage} for the trajectories the update trained on;
-    the others get None (their group carried no signal, or the row was cut; under torchrun, the
-    other processes' rows). Rank 0 only."""
-    if not parallel.is_main():
-        return
-    lines, trained = [], trained or {}
-    for g, (group, group_rewards, result) in enumerate(zip(groups, rewards, results)):
-        for i, t in enumerate(group.trajectories):
-            lines.append(json.dumps({
-                "step": step, "group": g, **episode_record(group.task, t),
-                "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
-                "judge_explanation": result.explanations[i] if result.explanations else "",
-                "judge_reasoning": result.reasoning,
-                "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled}) + "\n")
-    write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
-
-
-def print_summary(config, metrics_path, final_dir):
-    """The end-of-run summary: held-out accuracy by phase, the last evaluation, updates, where things are."""
-    records = read_jsonl(metrics_path)
-    evals = [r for r in records if "eval_accuracy" in r]
-    print("\n" + "=" * 72)
-    print(f"held-out accuracy (greedy):\n{format_history(evals, config.eval_splits)}")
-    print(f"final eval:\n{format_evals(evals[-1], config.eval_splits)}")
-    start = [r for r in evals if r["step"] == 0][-1]     # where RL started: after the warm start, or the --adapter
-    if evals[-1] is not start:
-        before, after = split_outcomes(start), split_outcomes(evals[-1])
-        print("RL start -> end, paired by question (95% bootstrap interval, exact McNemar p):")
-        for split in config.eval_splits:
-            print(f"  {split + ':':<{max(map(len, config.eval_splits)) + 1}} {paired_line(before[split], after[split])}")
-    steps = [r for r in records if "reward_mean" in r]
-    print(f"updates:    {sum(not r['skipped'] for r in steps)} applied, {sum(r['skipped'] for r in steps)} skipped "
-          f"(no mixed group, or a non-finite loss/gradient: see metrics.jsonl)")
-    if steps:
-        entropies = [r["rollout_entropy"] for r in steps if "rollout_entropy" in r]   # (not in older runs' records)
-        print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/{sum(r['submitted_groups'] for r in steps)} groups "
-              f"mixed, sampled tokens' entropy {sum(entropies) / max(1, len(entropies)):.3f} nats, "
-              f"temperature {config.temperature:.2f}")
-    unit = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit if eval_processes(config) > 1 else 0
-    forked = (f"; the largest of the {eval_processes(config)} evaluation processes forked at once "
-              f"{children / 2**30:.1f} GiB, the pages it shares with this one included" if children else "")
-    print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started){forked}")
-    print(f"adapter:    {final_dir}  (PEFT layout)")
-    print(f"metrics:    {metrics_path}   plot: {os.path.join(config.out, 'progress.png')}   "
-          f"report: {os.path.join(config.out, 'report.html')}")
-    print(f"evaluate:   python train.py --eval-only --adapter {final_dir}" + (f" --model {config.model}" if config.model else ""))
-    return evals[-1]
 
 
 # ----------------------------------------------------------------------------- the run
@@ -471,19 +352,20 @@ def eval_options(config) -> dict:
 
 def eval_processes(config) -> int:
     """--eval-processes, where 0 is one per core this process may run on."""
-    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()   # (macOS: no affinity)
+    # (macOS: no affinity)
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count()
     return config.eval_processes or cores
 
 
 def run(config, score=score_groups):
     """Train (or --eval-only evaluate); returns the last evaluation record (None on ranks > 0).
-    score(groups, judge_backend, rubric, bonus, cache_dir) -> (rewards, judge results, judge
+    score(groups, judge_backend, rubric, bonus) -> (rewards, judge results, judge
     failures) gives the rewards (score_groups). Under torchrun, first join the other processes
     (parallel.py); every process then runs the loop on its share of each step, and only rank 0 prints."""
     with parallel.joined() as device:   # device: None in one process (the default device)
         if parallel.world_size() > config.groups_per_step and not config.eval_only:
-            raise SystemExit(f"--groups-per-step {config.groups_per_step}: each of the {parallel.world_size()} "
-                             f"processes needs a group per step; raise it")
+            raise SystemExit(f"--groups-per-step {config.groups_per_step}: each of the "
+                             f"{parallel.world_size()} processes needs a group per step; raise it")
         if parallel.world_size() > 1 and config.update != "grpo" and not config.eval_only:
             raise SystemExit("under torchrun, --update grpo only (so far)")
         return run_process(config, device, score)
@@ -504,7 +386,6 @@ class Run:
     tasks_by_tier: dict = field(default_factory=dict)    # the tasks RL draws from
     judge: object = None                                 # a judge backend, or None (make_judge)
     rubric: str = ""
-    judge_cache: str | None = None
 
 
 def setup(config, device) -> Run:
@@ -519,19 +400,22 @@ def setup(config, device) -> Run:
     model, tokenizer = lora.load_model(config.model, device=device)
     device = next(model.parameters()).device
     # fp32 on CPU, bf16 on Ampere+, fp16 weights + fp32 LoRA + autocast + loss scaling on a T4
-    precision = lora.precision_for(device.type, torch.cuda.get_device_capability(device) if device.type == "cuda" else None)
+    precision = lora.precision_for(device.type, torch.cuda.get_device_capability(device)
+                                   if device.type == "cuda" else None)
     print(f"device: {device} | {precision}")
     lora.apply_lora(model, r=config.lora_r, alpha=config.lora_alpha)   # only the adapter's parameters train
     if config.adapter:
         lora.load_adapter(model, config.adapter)
     limits = agentrl.Limits(config.max_turns, config.max_new_tokens, config.max_context)
-    run = Run(model, tokenizer, torch.optim.AdamW(lora.lora_parameters(model), lr=config.lr, weight_decay=0.0),
-              torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler),   # disabled: a pass-through
+    run = Run(model, tokenizer,
+              torch.optim.AdamW(lora.lora_parameters(model), lr=config.lr, weight_decay=0.0),
+              torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler),  # disabled: pass-through
               precision, limits, grpo.GRPOConfig(
-                  micro_batch_size=config.micro_batch_size, clip_low=config.clip_low, clip_high=config.clip_high,
-                  aggregation=config.loss, kl_coef=config.kl_coef, gradient_checkpointing=config.grad_checkpointing,
-                  amp_dtype=precision.amp_dtype,
-                  max_tokens=config.max_turns * config.max_new_tokens),   # Dr. GRPO's constant: the generation budget
+                  micro_batch_size=config.micro_batch_size, clip_low=config.clip_low,
+                  clip_high=config.clip_high, aggregation=config.loss, kl_coef=config.kl_coef,
+                  gradient_checkpointing=config.grad_checkpointing, amp_dtype=precision.amp_dtype,
+                  # Dr. GRPO's constant: the generation budget
+                  max_tokens=config.max_turns * config.max_new_tokens),
               load_eval_sets(config.data, config.eval_splits, config.eval_size))
     if config.eval_only:
         return run
@@ -544,18 +428,21 @@ def setup(config, device) -> Run:
     # the policy now solves some of them some of the time, so a group there is mixed far more often
     # than on a task it never saw (README, "What the default run prints"); else from the train split
     rl_tasks = list({task.id: task for batch in run.sft_tasks for task in batch}.values()) or train_tasks
-    run.tasks_by_tier = {tier: [t for t in rl_tasks if t.difficulty == tier] for tier in {t.difficulty for t in rl_tasks}}
+    run.tasks_by_tier = {tier: [t for t in rl_tasks if t.difficulty == tier]
+                         for tier in {t.difficulty for t in rl_tasks}}
     run.judge = make_judge(config, model, tokenizer, device)
+    if run.judge and parallel.is_main():    # its replies kept (rank 0 writes): a resumed step asks none twice
+        run.judge = judge.CachedBackend(run.judge, os.path.join(config.out, "judge_cache"))
     run.rubric = Path(config.rubric).read_text() if config.rubric else judge.DEFAULT_RUBRIC
-    run.judge_cache = os.path.join(config.out, "judge_cache") if parallel.is_main() else None   # rank 0 writes
     return run
 
 
 def evaluation(config, run, label, **logged):
     """Every held-out split; with `step` (and `phase`), logged to metrics.jsonl."""
-    record = evaluate_splits(run.model, run.tokenizer, run.eval_sets, run.limits, config.out, label, **eval_options(config))
+    record = evaluate_splits(run.model, run.tokenizer, run.eval_sets, run.limits, config.out, label,
+                             **eval_options(config))
     if logged:
-        append_jsonl(os.path.join(config.out, "metrics.jsonl"), {**logged, **record})
+        report.append_jsonl(os.path.join(config.out, "metrics.jsonl"), {**logged, **record})
     return record
 
 
@@ -565,7 +452,8 @@ def eval_only(config, run):
     if parallel.is_main():
         write_text_atomic(os.path.join(config.out, "eval_only.json"),
                           json.dumps({"adapter": config.adapter, "data": config.data, **record}) + "\n")
-    print(f"eval on {config.data}:\n{format_evals(record, config.eval_splits)}\nrecord and episodes: {config.out}")
+    print(f"eval on {config.data}:\n{format_evals(record, config.eval_splits)}\n"
+          f"record and episodes: {config.out}")
     return record
 
 
@@ -585,16 +473,18 @@ def start_or_resume(config, run):
     elif not config.resume:
         if parallel.is_main():
             if os.path.isdir(os.path.join(config.out, "checkpoints")):
-                print(f"{config.out} holds an earlier run: starting over there (use --resume to continue it instead)")
+                print(f"{config.out} holds an earlier run: starting over there "
+                      f"(use --resume to continue it instead)")
                 shutil.rmtree(os.path.join(config.out, "checkpoints"))
             write_text_atomic(metrics_path, "")
             write_text_atomic(os.path.join(config.out, "config.json"), json.dumps(asdict(config), indent=2))
         if config.sft_steps:
-            warm_start(config, run.model, run.tokenizer, run.sft_tasks, run.limits, run.grpo_config, metrics_path,
-                       run.precision.use_grad_scaler)
+            warm_start(config, run.model, run.tokenizer, run.sft_tasks, run.limits, run.grpo_config,
+                       metrics_path, run.precision.use_grad_scaler)
         phase = "sft" if config.sft_steps else "start"
         record = evaluation(config, run, phase, step=0, phase=phase)
-        where = f"after {config.sft_steps} SFT steps" if config.sft_steps else (config.adapter or "base model")
+        where = (f"after {config.sft_steps} SFT steps" if config.sft_steps
+                 else (config.adapter or "base model"))
         print(f"eval step 0 ({where}):\n{format_evals(record, config.eval_splits)}")
         if parallel.is_main():
             checkpoint.save(config.out, run.model, run.optimizer, run.scaler, 0, task_stats)
@@ -612,20 +502,23 @@ def train_step(config, run, step, task_stats, start_state, score):
     t0, world, rank = time.time(), parallel.world_size(), parallel.rank()
     step_seed = config.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
     # 1) tasks: CANDIDATES per group to train on, the same draw on every process; each rolls out its share
-    draw = sample_tasks(run.tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step, random.Random(step_seed))
+    draw = sample_tasks(run.tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step,
+                        random.Random(step_seed))
     candidates = parallel.shard(draw)
 
     # 2) rollouts, seeded by step and process (in one process, by the step's seed); the groups kept
     #    are the mixed ones first, up to this process's share of --groups-per-step
     sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank)
-    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, config.group_size, sampling, run.limits,
-                                    max_rows=config.groups_per_step * config.group_size)   # the kept groups' memory
+    # max_rows: the kept groups' memory
+    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, config.group_size, sampling,
+                                    run.limits, max_rows=config.groups_per_step * config.group_size)
     groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
     t_rollout = time.time() - t0
-    pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled]) for task, rate in share]
+    pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled])
+                  for task, rate in share]
 
     # 3) reward = judge score + bonus * correct (score_groups, or the `score` run was given)
-    rewards, results, judge_failed = score(groups, run.judge, run.rubric, config.bonus, run.judge_cache)
+    rewards, results, judge_failed = score(groups, run.judge, run.rubric, config.bonus)
     t_judge = time.time() - t0 - t_rollout
 
     # 4) advantages within each group, attached to the group's trajectories
@@ -634,25 +527,29 @@ def train_step(config, run, step, task_stats, start_state, score):
     # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
     #    whole step's tokens and the gradients are summed over the processes (parallel.py)
     reference = lora.lora_weights(run.model, start_state) if config.kl_coef > 0 else None  # the KL reference
-    if config.update == "rft":    # the control: imitate the step's correct rollouts, right or not alone in their group
+    # the control: imitate the step's correct rollouts, right or not alone in their group
+    if config.update == "rft":
         correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
         stats = (grpo.sft_step(run.model, run.optimizer, correct, run.grpo_config, run.scaler) if correct
                  else {"skipped": True, "skip_reason": "no correct rollout"})
     elif world > 1:
         stats = parallel.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler, reference)
     elif batch:
-        stats = grpo.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler, reference_context=reference)
+        stats = grpo.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler,
+                               reference_context=reference)
     else:
         stats = {"skipped": True, "skip_reason": "no trainable group"}
-    trained = {id(t): a for g, advs in batch for t, a in zip(g.trajectories, advs)} if config.update == "grpo" else {}
+    trained = ({id(t): a for g, advs in batch for t, a in zip(g.trajectories, advs)}
+               if config.update == "grpo" else {})
     times = {"time_rollout": t_rollout, "time_judge": t_judge}
     groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(
         groups, rewards, results, counts, stats, judge_failed, times)   # every process's, as one process's
     frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
     update_task_stats(task_stats, pass_rates)
-    record = step_record(step, groups, rewards, counts, stats, pass_rates, judge_failed_groups=judge_failed,
-                         **judge_counters(results), **judge_agreement(groups, results),
-                         frontier_tasks=frontier_before, **times, time_step=time.time() - t0)
+    record = report.step_record(step, groups, rewards, counts, stats, pass_rates,
+                         judge_failed_groups=judge_failed, **report.judge_counters(results),
+                         **report.judge_agreement(groups, results), frontier_tasks=frontier_before, **times,
+                         time_step=time.time() - t0)
     return record, groups, rewards, results, trained
 
 
@@ -663,27 +560,31 @@ def run_process(config, device, score):
         return eval_only(config, run)
     start_step, task_stats, start_state = start_or_resume(config, run)
     metrics_path = os.path.join(config.out, "metrics.jsonl")
-    records = [r for r in read_jsonl(metrics_path, skip_unreadable=True)[0] if "reward_mean" in r] if parallel.is_main() else []
+    records = ([r for r in read_jsonl(metrics_path, skip_unreadable=True)[0] if "reward_mean" in r]
+               if parallel.is_main() else [])
     bar = tqdm(range(start_step + 1, config.steps + 1), initial=start_step, total=config.steps, desc="train",
                dynamic_ncols=True, disable=not parallel.is_main())
     warned = False   # judge_noise_warning, once a run
     for step in bar:
         # 1) tasks, 2) rollouts, 3) reward, 4) advantages, 5) update
-        record, groups, rewards, results, trained = train_step(config, run, step, task_stats, start_state, score)
+        record, groups, rewards, results, trained = train_step(config, run, step, task_stats, start_state,
+                                                               score)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
-        append_jsonl(metrics_path, record)
-        write_trajectories(config.out, step, groups, rewards, results, trained)
-        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}", s=f"{record['time_step']:.0f}")
-        tqdm.write(step_line(record, config.steps))
+        report.append_jsonl(metrics_path, record)
+        report.write_trajectories(config.out, step, groups, rewards, results, trained)
+        bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}",
+                        s=f"{record['time_step']:.0f}")
+        tqdm.write(report.step_line(record, config.steps))
         records.append(record)
-        if not warned and (warning := judge_noise_warning(records)):
+        if not warned and (warning := report.judge_noise_warning(records)):
             tqdm.write(warning)
             warned = True
 
         # 7) evaluate and checkpoint
         if config.eval_every and step % config.eval_every == 0 and step != config.steps:
-            tqdm.write(f"eval step {step}:\n{format_evals(evaluation(config, run, f'step_{step:04d}', step=step), config.eval_splits)}")
+            evals = evaluation(config, run, f"step_{step:04d}", step=step)
+            tqdm.write(f"eval step {step}:\n{format_evals(evals, config.eval_splits)}")
         if parallel.is_main():      # checkpoint, plot and page: rank 0 writes every file of the run folder
             checkpoint.save(config.out, run.model, run.optimizer, run.scaler, step, task_stats)
             report.write_plot(config.out, read_jsonl(metrics_path))
@@ -699,7 +600,7 @@ def run_process(config, device, score):
     lora.save_adapter(run.model, final_dir)
     report.write_plot(config.out, read_jsonl(metrics_path))
     report.write_report(config.out)
-    return print_summary(config, metrics_path, final_dir)
+    return report.print_summary(config, metrics_path, final_dir, eval_processes(config))
 
 
 @torchrun_reports_errors   # under torchrun: a process's exception is named in the job's failure summary

@@ -2,7 +2,7 @@
 
     python -m bench rollout        # our rollout engine vs re-tokenize + generate() per turn; the floor
     python -m bench cache          # one decode step: our KVCache vs DynamicCache; fp32 vs bf16 keys and values
-    python -m bench judge          # judge prompt tokens: naive vs RULER-style vs trie serialization
+    python -m bench judge          # judge prompt tokens: naive vs RULER-style vs the group's tree
     python -m bench judge-server   # the --judge http path against llama.cpp's server (if installed)
     python -m bench memory         # peak memory of one GRPO update: chunked vs unchunked log-probs
     python -m bench memory --shape qwen2.5-3b   # does a 3B model train on a 16 GB T4? (bench/fit3b.py)
@@ -14,6 +14,7 @@
     python -m bench scale          # train.py steps per minute: 1 process vs 2 (torchrun); rollout vs the rest
     python -m bench allocator      # a short run's peak memory and phase times: activations kept vs recomputed
     python -m bench gpu            # the GPU check: the 3B shape under a T4's memory, then real training steps
+    python -m bench footprint [--cwd DIR]   # a whole train.py run: phase times, summed PSS of every process
 
 `--variants a,b` (update, eval, scale) runs a subset, the first the baseline. learn, sweep, scale and
 allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
@@ -26,7 +27,7 @@ import importlib
 COMMANDS = {   # name: (module of bench/, function, one line of help)
     "rollout": ("engine", "bench_rollout", "our rollout engine vs re-tokenize + generate() per turn; the floor"),
     "cache": ("engine", "bench_cache", "one decode step: our KVCache vs DynamicCache; fp32 vs bf16 keys, values"),
-    "judge": ("judge", "bench_judge", "judge prompt tokens per group: naive vs RULER-style vs trie"),
+    "judge": ("judge", "bench_judge", "judge prompt tokens per group: naive vs RULER-style vs the tree"),
     "judge-server": ("judge", "bench_judge_server", "the --judge http path against llama.cpp's server (if installed)"),
     "memory": ("update", "bench_memory", "peak memory of one GRPO update: chunked vs unchunked log-probs"),
     "update": ("update", "bench_update", "one GRPO step on a group: each trajectory alone vs the tree once; checkpointing"),
@@ -38,9 +39,10 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "allocator": ("update", "bench_allocator", "a short run's peak memory, phase times: activations kept vs recomputed"),
     "gpu": ("fit3b", "bench_gpu", "the GPU check: the 3B shape under a T4's memory, then real training steps"),
     "reading": ("reading", "bench_reading", "the lines one GRPO step reads, helpers included: README's table"),
+    "footprint": ("footprint", "bench_footprint", "a whole train.py run's phase times and summed PSS, every process"),
     "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
 }
-TRAIN_FLAGS = {"learn", "sweep", "scale", "allocator", "train-run"}   # these pass unknown flags on to train.py
+TRAIN_FLAGS = {"learn", "sweep", "scale", "allocator", "train-run", "footprint"}   # these pass unknown flags on to train.py
 PUBLIC = " ".join(name for name, (_, _, line) in COMMANDS.items() if line)
 
 OPTIONS = [   # (flag, the commands that take it, argparse keywords)
@@ -51,6 +53,7 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
      dict(default=None, help="the embedded model with this saved adapter (or run folder)")),
     ("--split", "eval", dict(default="test", help="the held-out split to evaluate")),
     ("--tasks", "eval", dict(type=int, default=0, help="the split's first N tasks (0: all)")),
+    ("--cwd", "footprint", dict(default=None, help="the checkout whose train.py runs (default: this one)")),
     ("--tokenizer", "gpu memory", dict(default=None, help="3B shape: a tokenizer folder (default: the embedded one)")),
     ("--eval-size", "learn sweep", dict(type=int, default=0, help="held-out (sweep: val) tasks per split (0: all)")),
     ("--sft-steps", "learn sweep", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),

@@ -55,7 +55,7 @@ def bench_rollout(args):
 
     # baseline: per trajectory, per turn: render the whole conversation, tokenize, generate()
     torch.manual_seed(args.seed)
-    stop_ids = sorted(agentrl.stop_token_ids(model, tokenizer))
+    stop_ids = sorted(agentrl.stop_token_ids(tokenizer))
     base_gen = base_prompt = 0
     base_turns = []
     t0 = time.perf_counter()
@@ -68,7 +68,7 @@ def bench_rollout(args):
                 ids = tokenizer(text, add_special_tokens=False, return_tensors="pt").input_ids.to(model.device)
                 with torch.no_grad():
                     out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=True,
-                                         temperature=sampling.temperature, top_p=sampling.top_p,
+                                         temperature=sampling.temperature,
                                          max_new_tokens=limits.max_new_tokens, eos_token_id=stop_ids,
                                          pad_token_id=tokenizer.pad_token_id, stop_strings=["</tool_call>"],
                                          tokenizer=tokenizer)

@@ -8,7 +8,7 @@ correctness, on one fixed set of groups, with a 95% bootstrap interval over grou
 model as train.py's local judge, and llama.cpp's server on the embedded GGUF through HTTPBackend
 (where llama_cpp is installed), with the verdict's schema and with plain JSON mode. 2) real groups
 of the embedded policy, each serialized three ways into the full judge chat and counted with the
-embedded tokenizer; the RULER-style layout is the baseline the trie must beat.
+embedded tokenizer; the RULER-style layout is the baseline the group's tree must beat.
 judge-server: train.py's own `--judge http` path end to end against a server no one here wrote.
 """
 import contextlib
@@ -25,10 +25,25 @@ import urllib.request
 import torch
 
 import agentrl
+import files
 import judge
 import lora
+import report
 import sql_env
 import train
+
+
+# ---------------------------------------------------------------- the layouts the tree is measured against
+def serialize_naive(conversations) -> str:
+    """Every trajectory in full: the baseline cost."""
+    return "\n".join(judge.render_block([i], c) for i, c in enumerate(conversations, 1))
+
+
+def serialize_ruler(conversations) -> str:
+    """RULER's layout: the messages common to *all* trajectories once, then each remainder."""
+    n = files.common_prefix_length(conversations)
+    blocks = [judge.render_block(list(range(1, len(conversations) + 1)), conversations[0][:n])] if n else []
+    return "\n".join(blocks + [judge.render_block([i], c[n:]) for i, c in enumerate(conversations, 1) if c[n:]])
 
 
 # ---------------------------------------------------------------- a real judge server
@@ -115,7 +130,7 @@ def judge_agreement(backend, groups, max_retries=0):
     Returns {agreements: one per scored group with both right and wrong, scored, seconds, errors}."""
     agreements, scored, errors, t0 = [], 0, [], time.perf_counter()
     for conversations, correct in groups:
-        result = judge.score_group(conversations, backend, max_retries=max_retries)
+        result = judge.score_group(judge.conversation_tree(conversations), backend, max_retries=max_retries)
         if not result.scored:
             errors.append(result.error)
             continue
@@ -174,17 +189,18 @@ def bench_judge(args):
     bench_prompt_tokens(args)
 
 
-# ---------------------------------------------------------------- prompt size (judge.py's trie)
+# ---------------------------------------------------------------- prompt size (judge.py's tree)
 def bench_prompt_tokens(args):
-    """Judge prompt tokens per group: naive vs RULER-style vs trie serialization (judge.py).
+    """Judge prompt tokens per group: naive vs RULER-style vs the group's tree (judge.py).
 
     Real groups: 8 rollouts each of the embedded model on 4 tasks of the default train split,
     at two temperatures: 1.0 (the trainer's GPU default; the untrained model's first turns all
     differ, so only the common prefix can be shared) and 0.5 (the CPU default; a policy that has
     started to agree with itself, as training makes it: same first tool calls, shared by some rows).
     Each prompt is the full judge chat (system prompt with rubric + serialized group) under the
-    chat template, counted with the embedded tokenizer. The trie layout is given every
-    trajectory, duplicates included, so the dedup that score_group adds does not flatter it.
+    chat template, counted with the embedded tokenizer. The tree (the group's, as train.py's judge
+    prints it) gives every trajectory its own id, duplicates included, so the dedup that
+    score_group adds does not flatter it.
     --adapter DIR rolls out a trained policy instead (e.g. the warm start, runs/default/sft).
     """
     num_groups, group_size = 4, 8
@@ -193,10 +209,14 @@ def bench_prompt_tokens(args):
         lora.load_adapter(model, args.adapter)
     print(f"policy: {lora.EMBEDDED_NAME}" + (f" + adapter {args.adapter}" if args.adapter else " (untrained)"))
     tasks = random.Random(args.seed).sample(sql_env.load_tasks(), num_groups)
-    serializers = {"naive": judge.serialize_naive, "ruler": judge.serialize_ruler, "trie": judge.serialize_trie}
+    serializers = {"naive": lambda group: serialize_naive([t.messages for t in group.trajectories]),
+                   "ruler": lambda group: serialize_ruler([t.messages for t in group.trajectories]),
+                   "tree": lambda group: judge.serialize(group.tree, list(range(1, len(group.trajectories) + 1)))}
 
-    def prompt_tokens(conversations, serializer):
-        messages = judge.build_prompt(conversations, serializer=serializer)
+    def prompt_tokens(group, serializer):
+        ids = ", ".join(map(str, range(1, len(group.trajectories) + 1)))
+        messages = [{"role": "system", "content": judge.SYSTEM_PROMPT.format(rubric=judge.DEFAULT_RUBRIC)},
+                    {"role": "user", "content": f"Trajectory ids: {ids}\n\n{serializer(group)}"}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
@@ -204,20 +224,20 @@ def bench_prompt_tokens(args):
         groups = agentrl.rollout_groups(model, tokenizer, tasks, group_size,
                                         agentrl.Sampling(temperature=temperature, seed=args.seed),
                                         agentrl.Limits(max_turns=3, max_new_tokens=64))
-        totals, trie_never_above = dict.fromkeys(serializers, 0), True
+        totals, tree_never_above = dict.fromkeys(serializers, 0), True
         print(f"\ntemperature {temperature}: judge prompt tokens per group of {group_size}")
-        print(f"{'task':<18} {'msgs':>5} {'naive':>7} {'ruler':>7} {'trie':>7} {'trie/ruler':>10}")
+        print(f"{'task':<18} {'msgs':>5} {'naive':>7} {'ruler':>7} {'tree':>7} {'tree/ruler':>10}")
         for group in groups:
             conversations = [t.messages for t in group.trajectories]
-            counts = {name: prompt_tokens(conversations, s) for name, s in serializers.items()}
+            counts = {name: prompt_tokens(group, s) for name, s in serializers.items()}
             totals = {name: totals[name] + counts[name] for name in totals}
-            trie_never_above &= counts["trie"] <= counts["ruler"]
+            tree_never_above &= counts["tree"] <= counts["ruler"]
             print(f"{group.task.id:<18} {sum(map(len, conversations)):>5} {counts['naive']:>7} "
-                  f"{counts['ruler']:>7} {counts['trie']:>7} {counts['trie'] / counts['ruler']:>10.3f}")
-        ratio = totals["trie"] / totals["ruler"]
-        print(f"{'total':<18} {'':>5} {totals['naive']:>7} {totals['ruler']:>7} {totals['trie']:>7} {ratio:>10.3f}")
-        print(f"trie <= ruler on every group: {trie_never_above} | total trie/ruler = {ratio:.3f} "
-              f"(target <= 0.80) | trie/naive = {totals['trie'] / totals['naive']:.3f}")
+                  f"{counts['ruler']:>7} {counts['tree']:>7} {counts['tree'] / counts['ruler']:>10.3f}")
+        ratio = totals["tree"] / totals["ruler"]
+        print(f"{'total':<18} {'':>5} {totals['naive']:>7} {totals['ruler']:>7} {totals['tree']:>7} {ratio:>10.3f}")
+        print(f"tree <= ruler on every group: {tree_never_above} | total tree/ruler = {ratio:.3f} "
+              f"(target <= 0.80) | tree/naive = {totals['tree'] / totals['naive']:.3f}")
 
 
 # ---------------------------------------------------------------- judge-server (judge.py, train.py)
@@ -261,18 +281,19 @@ def bench_judge_server(args):
               f"scores / why unscored")
         seconds, results = [], []
         for group in groups:
-            conversations, correct = [t.messages for t in group.trajectories], [t.correct for t in group.trajectories]
-            text = tokenizer.apply_chat_template(judge.build_prompt(conversations), tokenize=False, add_generation_prompt=True)
+            correct = [t.correct for t in group.trajectories]
+            prompt = judge.build_prompt(group.tree, judge.judge_ids(group.tree))
+            text = tokenizer.apply_chat_template(prompt, tokenize=False, add_generation_prompt=True)
             tokens = len(tokenizer(text, add_special_tokens=False).input_ids)
             t0 = time.perf_counter()
-            _, (result,), _ = train.score_groups([group], backend, judge.DEFAULT_RUBRIC, train_args.bonus, cache_dir=None)
+            _, (result,), _ = train.score_groups([group], backend, judge.DEFAULT_RUBRIC, train_args.bonus)
             seconds.append(time.perf_counter() - t0)
             results.append(result)
             agree = judge.agreement(result.scores, correct) if result.scored else None
             outcome = " ".join(f"{s:.2f}" for s in result.scores) if result.scored else result.error[:100]
             print(f"{group.task.id:<18} {tokens:>6} {seconds[-1]:>6.1f} {result.attempts:>5} {result.rescaled or '-':>8} "
                   f"{sum(correct):>4}/{group_size} {'-' if agree is None else f'{agree:.2f}':>5}  {outcome}")
-        counters = train.judge_counters(results)
+        counters = report.judge_counters(results)
         print(f"\n{sum(r.scored for r in results)}/{num_groups} groups scored | {sum(seconds) / num_groups:.1f} s per group "
               f"(max {max(seconds):.1f}) | {sum(r.attempts for r in results)} backend calls | response_format "
               f"{backend.response_format} | " + " | ".join(f"{k}={v}" for k, v in counters.items()))

@@ -40,11 +40,11 @@ def test_ask_one_question_ends_with_a_clear_no_answer(tiny_model_dir, shop_db, c
     assert digest() == before
 
 
-def test_ask_prints_tool_calls_as_they_happen_and_the_answer_rows(tiny_model_dir, shop_db, capsys, monkeypatch):
+def test_ask_prints_tool_calls_and_the_answer_rows(tiny_model_dir, shop_db, capsys, monkeypatch):
     """Scripted turns (the engine's forced_turns hook) stand in for a trained model: each tool call
-    and a short view of its observation is printed while the episode runs (before the rollout
-    returns), then the submitted query and its rows, run again in the sandbox. The database is
-    byte-identical afterwards, though the agent ran queries (and tried to write)."""
+    and a short view of its observation is printed in order, then the submitted query and its
+    rows, run again in the sandbox. The database is byte-identical afterwards, though the agent
+    ran queries (and tried to write)."""
     db, digest, before = shop_db
     turns = [agentrl.tool_call_text("list_tables", {}),
              agentrl.tool_call_text("run_sql", {"query": "DELETE FROM orders"}),
@@ -59,8 +59,8 @@ def test_ask_prints_tool_calls_as_they_happen_and_the_answer_rows(tiny_model_dir
     [trajectory] = ask.main(["--db", db, "--model", tiny_model_dir, "--max-new-tokens", "48", "How many orders are there?"])
     out = capsys.readouterr().out
     assert trajectory.stop_reason == "submitted" and trajectory.submitted_sql == "SELECT COUNT(*) FROM orders"
-    calls = ["   1. list_tables", "customers: id, name", "   2. run_sql  DELETE FROM orders", "Error: not allowed",
-             "   3. submit_answer  SELECT COUNT(*) FROM orders", "ROLLOUT RETURNED",
+    calls = ["ROLLOUT RETURNED", "   1. list_tables", "customers: id, name", "   2. run_sql  DELETE FROM orders",
+             "Error: not allowed", "   3. submit_answer  SELECT COUNT(*) FROM orders",
              "answer: SELECT COUNT(*) FROM orders\n  COUNT(*)\n  3\n  (1 row)"]
     positions = [out.find(text) for text in calls]
     assert -1 not in positions and positions == sorted(positions), out

@@ -3,6 +3,7 @@ model and trajectories of tests/test_forward.py, which tests the forward the ste
 
 Run: python -m pytest -q tests/test_grpo.py
 """
+import functools
 import math
 import threading
 from types import SimpleNamespace
@@ -13,6 +14,7 @@ import torch
 import forward
 import grpo
 import lora
+import parallel
 from test_forward import ADVANTAGES, NO_SCALER, as_batch, perturb_lora, step, tiny_model, trajectories, whole_logprobs
 
 
@@ -347,7 +349,7 @@ def test_two_processes_with_the_step_counts_equal_one(aggregation, split):
     def run(rank, all_reduce):
         model, params = models[rank]
         stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), shares[rank], config, NO_SCALER,
-                               counts=counts, all_reduce=all_reduce)
+                               counts=counts, sum_processes=functools.partial(parallel.sum_gradients, all_reduce=all_reduce))
         return stats, [p.detach() for p in params]
 
     (stats0, params0), (stats1, params1) = in_threads(shares, run)
@@ -372,7 +374,7 @@ def test_a_non_finite_loss_in_one_process_skips_the_step_in_all():
         before = [p.detach().clone() for p in params]
         part = slice(0, 3) if rank == 0 else slice(3, 6)
         stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=1e-2), as_batch(trajs[part], ADVANTAGES[part]),
-                               config, NO_SCALER, counts=counts, all_reduce=all_reduce)
+                               config, NO_SCALER, counts=counts, sum_processes=functools.partial(parallel.sum_gradients, all_reduce=all_reduce))
         return stats, all(torch.equal(b, p) for b, p in zip(before, params))
 
     (stats0, same0), (stats1, same1) = in_threads([0, 1], run)

@@ -9,6 +9,7 @@ import http.server
 import json
 import os
 import random
+import re
 import subprocess
 import sys
 import threading
@@ -18,14 +19,18 @@ from pathlib import Path
 import pytest
 import torch
 
+import agentrl
 import judge
-from judge import (HTTPBackend, JudgeError, LocalBackend, ParseError, ReasoningNeverClosed, agreement, deduplicate,
-                   evident_scale, parse_scores, parse_serialized, rescale, score_group, serialize_naive,
-                   serialize_ruler, serialize_trie, shared_prefix_length, split_reasoning)
+import sql_env
+from judge import (CachedBackend, HTTPBackend, JudgeError, LocalBackend, ParseError, ReasoningNeverClosed, agreement,
+                   conversation_tree, judge_ids, parse_scores, serialize, split_reasoning, unit_scale)
 
 ROOT = Path(__file__).resolve().parents[1]
 
-SERIALIZERS = [serialize_naive, serialize_ruler, serialize_trie]
+
+def score_group(conversations, backend, **options):
+    """judge.score_group on the conversations' tree (the trainer passes its rollout's)."""
+    return judge.score_group(conversation_tree(conversations), backend, **options)
 
 
 def msg(role, content):
@@ -65,75 +70,101 @@ def reply(*scores):
                                   for i, s in enumerate(scores, 1)]})
 
 
-# ---------------------------------------------------------------- serialization
-def test_trie_prints_shared_branches_once():
-    """The point of the trie: a prefix shared by only some trajectories is sent once, labelled."""
-    trie, ruler = serialize_trie(group()), serialize_ruler(group())
-    assert trie.count(CALL_A["content"]) == 1 and ruler.count(CALL_A["content"]) == 2
-    assert trie.count(SYS["content"]) == 1 and trie.count(USER["content"]) == 1
-    assert "=== trajectories 1, 2, 3 ===" in trie and "=== trajectories 1, 2 ===" in trie
-    assert len(trie) < len(ruler) < len(serialize_naive(group()))
+# ---------------------------------------------------------------- the group, printed once
+BLOCK_RE, ROLE_RE = re.compile(r"^=== trajector(?:y|ies) (\d+(?:, \d+)*) ===$"), re.compile(r"^\[(\w+)\]$")
 
 
-@pytest.mark.parametrize("serializer", SERIALIZERS)
-def test_round_trip_on_tricky_content(serializer):
-    """Every layout must parse back to exactly the input: the judge reads the same thing we meant,
+def parse_serialized(text):
+    """The layout read back: trajectory k = every block whose label lists k, in order."""
+    conversations, ids, message = {}, [], None
+    for line in text.split("\n"):
+        block, role = BLOCK_RE.match(line), ROLE_RE.match(line)
+        if block:
+            ids, message = [int(x) for x in block.group(1).split(", ")], None
+        elif role:
+            message = {"role": role.group(1), "content": None}
+            for i in ids:  # the same dict in every sharing trajectory: filled in below
+                conversations.setdefault(i, []).append(message)
+        else:
+            line = line[1:] if line.startswith("\\") else line
+            message["content"] = line if message["content"] is None else message["content"] + "\n" + line
+    return [[dict(m) for m in conversations[i]] for i in sorted(conversations)]
+
+
+def printed(conversations):
+    """The conversations as the judge's prompt prints them, each its own id (duplicates too)."""
+    return serialize(conversation_tree(conversations), list(range(1, len(conversations) + 1)))
+
+
+def test_tree_prints_shared_branches_once():
+    """The point of the tree: a prefix shared by only some trajectories is sent once, labelled."""
+    text = printed(group())
+    assert text.count(CALL_A["content"]) == 1 and text.count(SYS["content"]) == 1 and text.count(USER["content"]) == 1
+    assert "=== trajectories 1, 2, 3 ===" in text and "=== trajectories 1, 2 ===" in text
+    assert len(text) < len("\n".join(judge.render_block([i], c) for i, c in enumerate(group(), 1)))
+
+
+def test_round_trip_on_tricky_content():
+    """The layout parses back to exactly the input: the judge reads the same thing we meant,
     even when content looks like our own headers, is empty, unicode, or ends in newlines."""
     tricky = msg("tool", "=== trajectory 9 ===\n[user]\n\\escaped\n[(1, 'a')]\n\n")
     convs = [[SYS, USER, tricky, msg("assistant", "fin\n")],
              [SYS, USER, tricky],                                     # a prefix of the first
              [SYS, USER, msg("tool", ""), msg("assistant", "")],      # empty contents
              [SYS, USER, msg("assistant", "Ça coûte 5 € — 日本語 ✓\r\nok")]]
-    assert parse_serialized(serializer(convs)) == convs
+    assert parse_serialized(printed(convs)) == convs
 
 
 def test_round_trip_on_random_groups():
-    """Seeded fuzz: random groups over a small message alphabet (so branches really share)
-    round-trip through all three layouts."""
+    """Seeded fuzz: random groups over a small message alphabet (so branches really share)."""
     rng = random.Random(0)
     alphabet = [msg(r, c) for r in ("assistant", "tool") for c in ("a", "b", "", "=== x ===", "[tool]", "\\")]
     for _ in range(200):
         convs = [[SYS] + [rng.choice(alphabet) for _ in range(rng.randint(0, 4))] for _ in range(rng.randint(1, 6))]
-        for serializer in SERIALIZERS:
-            assert parse_serialized(serializer(convs)) == convs, (serializer.__name__, convs)
+        assert parse_serialized(printed(convs)) == convs, convs
 
 
-def test_identical_trajectories_share_one_branch():
-    """Identical trajectories cost one copy in the trie, labelled with all their ids."""
-    a, b = group()[0], group()[2]
-    text = serialize_trie([a, b, a])
-    assert text.count("There are 6.") == 1 and "=== trajectories 1, 3 ===" in text
-    assert parse_serialized(text) == [a, b, a]
-
-
-def test_shared_prefix_and_the_judges_numbering():
-    """The prefix every trajectory shares is RULER's common block (the report prints it once), and
-    the judge numbers distinct conversations only: with 1 and 3 identical, the third trajectory
-    is the judge's 1 and the fourth its 3 (the report says so beside each)."""
+def test_identical_trajectories_share_one_id():
+    """Identical trajectories end at one node: one id, one copy; the ids count distinct
+    trajectories in order, so with 1 and 3 identical the fourth is the judge's 3."""
     a, b, c = group()
-    assert shared_prefix_length([a, b, c]) == 2 and shared_prefix_length([a, b]) == 4
-    assert serialize_ruler([a, b]).startswith("=== trajectories 1, 2 ===\n[system]\n")
-    unique, index = deduplicate([a, b, a, c])
-    assert unique == [a, b, c] and index == [0, 1, 0, 2]
+    tree = conversation_tree([a, b, a, c])
+    assert judge_ids(tree) == [1, 2, 1, 3]
+    text = serialize(tree, judge_ids(tree))
+    assert text.count("There are 6.") == 1 and "=== trajectory 1 ===\n[assistant]\nThere are 6." in text
+    assert parse_serialized(text) == [a, b, c]
+
+
+def test_a_rollouts_tree_prints_as_its_conversations(smol_tokenizer, db):
+    """A rollout's own tree (a node a turn, agentrl.make_group) prints the same conversations as
+    the message tree of its trajectories: the judge reads the tree the update trains on."""
+    task = sql_env.load_tasks()[0]
+    turns = [[agentrl.tool_call_text("list_tables", {}), agentrl.tool_call_text("submit_answer", {"query": "SELECT 1"})],
+             [agentrl.tool_call_text("list_tables", {}), agentrl.tool_call_text("submit_answer", {"query": "SELECT 2"})],
+             [agentrl.tool_call_text("submit_answer", {"query": task.gold_sql})]]
+    trajectories = [agentrl.scripted_trajectory(smol_tokenizer, task, t) for t in turns]
+    tree = agentrl.make_group(task, trajectories).tree
+    text = serialize(tree, judge_ids(tree))
+    assert parse_serialized(text) == [t.messages for t in trajectories]
+    assert text.count("list_tables") == 1 + trajectories[0].messages[0]["content"].count("list_tables")
 
 
 def test_single_trajectory():
-    """A group of one is one block, the same in all three layouts."""
-    conv = group()[0]
-    assert serialize_trie([conv]) == serialize_naive([conv]) == serialize_ruler([conv])
-    assert serialize_trie([conv]).startswith("=== trajectory 1 ===\n[system]\n")
+    """A group of one is one block."""
+    assert printed([group()[0]]).startswith("=== trajectory 1 ===\n[system]\n")
+    assert printed([group()[0]]).count("===") == 2
 
 
 def test_empty_tool_output_and_unicode_are_verbatim():
     """An empty observation is one empty line; unicode is printed as is, not \\u-escaped."""
-    text = serialize_trie([[SYS, msg("tool", ""), msg("assistant", "naïve → ✓")]])
+    text = printed([[SYS, msg("tool", ""), msg("assistant", "naïve → ✓")]])
     assert "[tool]\n\n[assistant]\nnaïve → ✓" in text
 
 
 def test_empty_trajectory_is_refused():
-    """A trajectory without messages cannot be judged or reconstructed: a clear error, not a gap."""
+    """A trajectory without messages cannot be judged: a clear error, not a gap."""
     with pytest.raises(AssertionError, match="no messages"):
-        serialize_trie([[SYS], []])
+        conversation_tree([[SYS], []])
 
 
 # ---------------------------------------------------------------- parsing replies
@@ -167,20 +198,19 @@ def test_parse_reads_scores_as_written_and_coerces():
             parse_scores(reply(0.5, bad), 2)
 
 
-def test_evident_scale_and_rescale_keep_the_order():
+def test_unit_scale_keeps_the_order():
     """The smallest scale that holds every score; a fraction of one beside a score above 1 is
     two scales at once and an error; every rescale lands in [0, 1] in the same order."""
     assert doctest.testmod(judge).failed == 0
     cases = {(0.0, 0.3, 1.0): "0-1", (0, 2, 10): "0-10", (10.5, 3, 0): "0-100", (100, 20): "0-100",
              (101, 7, 0): "min-max"}
     for scores, scale in cases.items():
-        assert evident_scale(list(scores)) == scale
-        scaled = rescale(list(scores), scale)
-        assert all(0 <= s <= 1 for s in scaled) and sorted(range(len(scores)), key=scaled.__getitem__) == \
+        scaled, read_on = unit_scale(list(scores))
+        assert read_on == scale and all(0 <= s <= 1 for s in scaled) and sorted(range(len(scores)), key=scaled.__getitem__) == \
             sorted(range(len(scores)), key=scores.__getitem__)
-    assert rescale([250, 250], "min-max") == [0.5, 0.5]
+    assert unit_scale([250, 250]) == ([0.5, 0.5], "min-max")
     with pytest.raises(ParseError, match="mix scales"):
-        evident_scale([0.8, 7, 0])
+        unit_scale([0.8, 7, 0])
 
 
 def test_parse_truncated_json_raises():
@@ -218,29 +248,26 @@ def test_hopeless_judge_gives_unscored_result():
 
 
 def test_cache_serves_repeat_and_is_keyed_by_backend(tmp_path):
-    """Re-judging the same group costs no call; another backend (cache_id) is a miss."""
-    first = score_group(group(), Scripted(reply(0.3, 0.6, 0.9)), cache_dir=str(tmp_path))
-    again = score_group(group(), Scripted(), cache_dir=str(tmp_path))  # would raise if called
-    assert again.cached and again.attempts == 0 and again.scores == first.scores == [0.3, 0.6, 0.9]
+    """Re-judging the same group costs no call, corrections and rescale included; another
+    backend (cache_id) is a miss; no temporary file is left behind."""
+    first = score_group(group(), CachedBackend(Scripted("no JSON", reply(2, 9, 5)), tmp_path), max_retries=1)
+    again = score_group(group(), CachedBackend(Scripted(), tmp_path), max_retries=1)   # would raise if called
+    assert again == first and again.rescaled == "0-10" and again.scores == [0.2, 0.9, 0.5] and again.attempts == 2
     other = Scripted(reply(0.0, 0.0, 1.0))
     other.cache_id = "other"
-    assert score_group(group(), other, cache_dir=str(tmp_path)).scores == [0.0, 0.0, 1.0]
+    assert score_group(group(), CachedBackend(other, tmp_path)).scores == [0.0, 0.0, 1.0]
     files = [f for _, _, fs in os.walk(tmp_path) for f in fs]
-    assert len(files) == 2 and all(f.endswith(".json") for f in files)  # no temp files left
+    assert len(files) == 3 and all(f.endswith(".json") for f in files)
 
 
-def test_cache_keeps_the_rescale_and_misses_entries_from_before_it(tmp_path):
-    """A rescaled judgement is served from the cache as rescaled; an entry without "rescaled"
-    was written when out-of-range scores were clamped (a 0-10 group came back all 1.0), so it
-    is judged again instead of served."""
-    first = score_group(group(), Scripted(reply(2, 9, 5)), max_retries=0, cache_dir=str(tmp_path))
-    again = score_group(group(), Scripted(), cache_dir=str(tmp_path))
-    assert again.cached and again.rescaled == first.rescaled == "0-10" and again.scores == [0.2, 0.9, 0.5]
+def test_an_unreadable_cache_entry_is_a_miss(tmp_path):
+    """A torn or foreign entry is asked again and rewritten, never served."""
+    score_group(group(), CachedBackend(Scripted(reply(0.3, 0.6, 0.9)), tmp_path))
     (entry,) = [os.path.join(d, f) for d, _, fs in os.walk(tmp_path) for f in fs]
-    with open(entry, "w") as f:
-        json.dump({"scores": [1.0, 1.0, 1.0], "explanations": ["", "", ""], "clamped": 3}, f)
-    result = score_group(group(), Scripted(reply(0.1, 0.9, 0.4)), cache_dir=str(tmp_path))
-    assert not result.cached and result.attempts == 1 and result.scores == [0.1, 0.9, 0.4]
+    for junk in ('{"scores": [1, 1, 1]}', "{not json", "\xff\xfe"):
+        Path(entry).write_text(junk)
+        result = score_group(group(), CachedBackend(Scripted(reply(0.1, 0.9, 0.4)), tmp_path))
+        assert result.scores == [0.1, 0.9, 0.4]
 
 
 # ---------------------------------------------------------------- HTTP backend, real server
@@ -327,7 +354,7 @@ def test_verdict_schema_asks_for_each_id_once():
     """The schema sent for a prompt on n trajectories asks for exactly n entries with ids 1..n
     (OpenAI's form: an enum; llama.cpp's: entry k's id pinned to k); an answer in the schema's
     shape is one parse_scores reads. A prompt that is not build_prompt's gets the bare shape."""
-    n = judge._judged_count(judge.build_prompt(group()))
+    n = judge._judged_count(judge.build_prompt(conversation_tree(group()), [1, 2, 3]))
     assert n == 3
     scores = judge.verdict_schema(n)["properties"]["scores"]
     assert scores["minItems"] == scores["maxItems"] == 3
@@ -598,14 +625,11 @@ def test_http_empty_content_is_a_counted_failure(serve):
     assert not result.scored and result.error == "unparseable reply: the reply was empty"
 
 
-def test_reasoning_is_clipped_to_its_end_and_cached(tmp_path):
-    """The result keeps the last REASONING_CHARS characters of the reasoning (where the judge
-    concludes), and a cached judgement serves the same reasoning."""
+def test_reasoning_is_clipped_to_its_end():
+    """The result keeps the last REASONING_CHARS characters of the reasoning (where the judge concludes)."""
     thought = "x" * judge.REASONING_CHARS + "so 2 wins"
-    first = score_group(group(), Scripted(f"<think>{thought}</think>{reply(0.1, 0.9, 0.5)}"), cache_dir=str(tmp_path))
+    first = score_group(group(), Scripted(f"<think>{thought}</think>{reply(0.1, 0.9, 0.5)}"))
     assert first.reasoning == "..." + thought[-judge.REASONING_CHARS:] and first.reasoning.endswith("so 2 wins")
-    again = score_group(group(), Scripted(), cache_dir=str(tmp_path))
-    assert again.cached and again.reasoning == first.reasoning
 
 
 # ---------------------------------------------------------------- agreement with correctness

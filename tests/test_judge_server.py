@@ -28,7 +28,7 @@ def test_llama_cpp_server_scores_a_real_group_with_the_schema(smol_tokenizer, ca
     with llama_cpp_server() as url:
         backend = judge.HTTPBackend(base_url=url, model=LLAMA_ALIAS, timeout_s=300)
         assert backend.check() is None
-        result = judge.score_group(conversations, backend)   # as the trainer calls it: up to 2 corrections
+        result = judge.score_group(judge.conversation_tree(conversations), backend)   # as the trainer calls it: up to 2 corrections
     seconds = time.perf_counter() - t0
     assert backend.response_format == "json_object+schema", backend.response_format
     assert result.scored, result.error

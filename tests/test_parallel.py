@@ -9,7 +9,6 @@ right, so correctness alone would give no gradient), its scorer passed in as tra
 and a collective timeout of 60 s, and records, for the test to check, each
 step's groups and rewards, the loss configuration and the final LoRA weights.
 """
-import json
 import os
 import pickle
 import socket

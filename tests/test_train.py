@@ -15,6 +15,8 @@ from safetensors.torch import load_file
 
 import bench.learn
 import evaluate
+import judge
+import report
 import train
 from files import read_json, read_jsonl
 
@@ -236,7 +238,7 @@ def test_the_reward_function_is_a_parameter(tiny_model_dir, tmp_path):
     import judge
     seen = []
 
-    def spread(groups, judge_backend, rubric, bonus, cache_dir):
+    def spread(groups, judge_backend, rubric, bonus):
         seen.append((len(groups), judge_backend, bonus))
         unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="scripted")
         return [[k / len(g.trajectories) for k in range(len(g.trajectories))] for g in groups], [unscored] * len(groups), 0
@@ -250,12 +252,12 @@ def test_bonus_is_added_to_scores_already_in_0_1():
     """The correctness bonus keeps its weight after a rescale: a 0-10 judge's 10/3, 20/3, 10 are
     read as 1/3, 2/3, 1 before the bonus, so the one correct trajectory, ranked last by the
     judge, still gets the highest reward (clamping made it 2, 1, 1; unscaled, 4.3, 6.7, 10)."""
-    group = SimpleNamespace(trajectories=[SimpleNamespace(messages=[{"role": "user", "content": "q"},
-                                                                    {"role": "assistant", "content": f"a{k}"}],
-                                                          correct=k == 0) for k in range(3)])
-    rewards, results, failed = train.score_groups([group], ScriptedJudge(scale=10), "rubric", 1.0, cache_dir=None)
+    conversations = [[{"role": "user", "content": "q"}, {"role": "assistant", "content": f"a{k}"}] for k in range(3)]
+    group = SimpleNamespace(trajectories=[SimpleNamespace(correct=k == 0) for k in range(3)],
+                            tree=judge.conversation_tree(conversations))
+    rewards, results, failed = train.score_groups([group], ScriptedJudge(scale=10), "rubric", 1.0)
     assert rewards == [pytest.approx([1 / 3 + 1, 2 / 3, 1])] and results[0].rescaled == "0-10" and failed == 0
-    assert train.judge_counters(results) == {"judge_rescaled_groups": 1, "judge_corrections": 1}
+    assert report.judge_counters(results) == {"judge_rescaled_groups": 1, "judge_corrections": 1}
 
 
 def test_task_sampling_prefers_mixed_tiers():
@@ -498,11 +500,11 @@ def test_the_step_line_shows_the_signal_the_reward_and_the_update():
               "clip_frac_low": 0.004,
               "clip_frac_high": 0.008, "judge_agreement": 0.75, "judge_agreement_groups": 2, "time_step": 61.2,
               "judge_failed_groups": 0, "judge_rescaled_groups": 0, "judge_corrections": 0}
-    assert train.step_line(record, 4) == ("step 3/4 | mixed groups 3/4, 2 trained on | kept groups: reward 0.44 ± "
+    assert report.step_line(record, 4) == ("step 3/4 | mixed groups 3/4, 2 trained on | kept groups: reward 0.44 ± "
                                           "0.50, accuracy 0.44 | every candidate: accuracy 0.34 | clipped 1.2% of "
                                           "tokens | update applied | judge agreement 0.75 (2 groups) | 61 s")
     skipped = {**record, "skipped": True, "skip_reason": "no trainable group", "judge_agreement": None}
-    assert "| update skipped (no trainable group) | 61 s" in train.step_line(skipped, 4)
+    assert "| update skipped (no trainable group) | 61 s" in report.step_line(skipped, 4)
 
 
 def test_judge_agreement_per_step_and_the_warning_when_it_is_a_coin():
@@ -514,9 +516,9 @@ def test_judge_agreement_per_step_and_the_warning_when_it_is_a_coin():
     groups = [group(True, False), group(True, False), group(False, False), group(True, False)]
     results = [SimpleNamespace(scored=True, scores=[0.9, 0.1]), SimpleNamespace(scored=True, scores=[0.1, 0.9]),
                SimpleNamespace(scored=True, scores=[0.5, 0.2]), SimpleNamespace(scored=False, scores=None)]
-    assert train.judge_agreement(groups, results) == {"judge_agreement": 0.5, "judge_agreement_groups": 2}
+    assert report.judge_agreement(groups, results) == {"judge_agreement": 0.5, "judge_agreement_groups": 2}
     coin = {"judge_agreement": 0.55, "judge_agreement_groups": 4}
-    assert train.judge_noise_warning([coin]) is None                        # 4 groups: too few to say
-    assert "55% of the time" in train.judge_noise_warning([coin, coin])
-    assert train.judge_noise_warning([{**coin, "judge_agreement": 0.9}] * 3) is None
-    assert train.judge_noise_warning([{"judge_agreement": None, "judge_agreement_groups": 0}] * 9) is None
+    assert report.judge_noise_warning([coin]) is None                        # 4 groups: too few to say
+    assert "55% of the time" in report.judge_noise_warning([coin, coin])
+    assert report.judge_noise_warning([{**coin, "judge_agreement": 0.9}] * 3) is None
+    assert report.judge_noise_warning([{"judge_agreement": None, "judge_agreement_groups": 0}] * 9) is None

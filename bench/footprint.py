@@ -1,0 +1,81 @@
+"""A whole train.py run's time and memory, every process counted: `python -m bench footprint`.
+
+    python -m bench footprint --cwd ../old-main --eval-size 64 --sft-steps 24   # another checkout's
+    python -m bench footprint --eval-size 64 --sft-steps 24                     # this one, the same flags
+
+`/usr/bin/time -v` reports the largest single process; during an evaluation the parent and its
+forked evaluators hold memory together, and they share pages (the weights), so their resident
+sets overcount. This runs `python train.py` in `--cwd` (default: here) with the flags it does not
+know, samples the summed proportional set size (PSS, /proc/PID/smaps_rollup: a shared page
+counted once, split between its holders) of the run's whole process tree every half second, and
+reads the phase times from the run's metrics.jsonl: the SFT steps, the GRPO steps (rollout and
+the rest), and each evaluation after the first (the time from the record before it to its own;
+the first also holds the model's loading). Linux only.
+"""
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+
+from bench.common import mean_or_nan, run_records
+
+
+def tree_pss_kib(root_pid) -> int:
+    """The summed PSS of `root_pid` and every process below it, in KiB (0 once it is gone)."""
+    children = {}
+    for pid in filter(str.isdigit, os.listdir("/proc")):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(pid))
+    total, todo = 0, [root_pid]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+def bench_footprint(args):
+    cwd = os.path.abspath(args.cwd or ".")
+    out = os.path.join(cwd, "runs", "bench_footprint")
+    shutil.rmtree(out, ignore_errors=True)
+    argv = [sys.executable, "train.py", *args.train_flags, "--out", out]
+    print(f"running in {cwd}: {' '.join(argv[1:])}", flush=True)
+    t0, peak, samples = time.perf_counter(), 0, []   # samples: (seconds, PSS KiB, metrics lines so far)
+    child = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL)
+    metrics = os.path.join(out, "metrics.jsonl")
+    while child.poll() is None:
+        pss = tree_pss_kib(child.pid)
+        lines = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
+        samples.append((time.perf_counter() - t0, pss, lines))
+        peak = max(peak, pss)
+        time.sleep(0.5)
+    if child.returncode:
+        raise SystemExit(f"footprint: train.py failed (exit {child.returncode})")
+    records = run_records(out)
+    # an evaluation's time: from the moment the record before it appeared to the moment its own did
+    appeared = {}
+    for seconds, _, lines in samples:
+        for k in range(1, lines + 1):
+            appeared.setdefault(k, seconds)
+    steps = [r for r in records if "reward_mean" in r]
+    evals = [appeared[k] - appeared[k - 1] for k, r in enumerate(records, 1)      # the first, with the
+             if k > 1 and "sft_step" not in r and "reward_mean" not in r and k in appeared]   # model's load: left out
+    result = {"run_s": time.perf_counter() - t0, "peak_pss_gib": peak / 2**20,
+              "sft_step_s": mean_or_nan([r["time_step"] for r in records if "sft_step" in r]),
+              "grpo_step_s": mean_or_nan([r["time_step"] for r in steps]),
+              "rollout_s": mean_or_nan([r["time_rollout"] for r in steps]),
+              "evaluation_s": mean_or_nan(evals), "evaluations": len(evals)}
+    print(json.dumps(result))
+    print(f"whole run {result['run_s']:.0f} s | summed PSS peak {result['peak_pss_gib']:.2f} GiB | SFT step "
+          f"{result['sft_step_s']:.1f} s | GRPO step {result['grpo_step_s']:.1f} s (rollout {result['rollout_s']:.1f} s)"
+          f" | evaluation {result['evaluation_s']:.0f} s (of {len(evals)})")
