@@ -102,7 +102,10 @@ def main(argv=None) -> list[Trajectory]:
     except (SQLError, FileNotFoundError) as e:
         raise SystemExit(f"error: {e}") from None
     model_name = args.model or (lora.adapter_base_model(adapter) if adapter else None)
-    model, tokenizer = lora.load_model(model_name)
+    try:
+        model, tokenizer = lora.load_model(model_name)
+    except lora.ModelUnavailable as e:
+        raise SystemExit(f"error: {e}") from None
     if adapter:
         try:
             lora.load_adapter(model, adapter)

@@ -4,7 +4,7 @@ RULER (OpenPipe, 2025): an LLM ranks several attempts at one task against each o
 than it scores one attempt alone, and GRPO only needs scores that are right relative to the group.
 So the judge sees the whole group in one prompt and returns one score in [0, 1] per trajectory:
 
-    result = score_group(group.tree, HTTPBackend(model="gpt-4.1-mini"))   # the group's tree (tree.Node)
+    result = score_group(group.tree, judge_backends.HTTPBackend(model="gpt-4.1-mini"))   # tree.Node
     result.scores        # [0.9, 0.1, ...] in trajectory order, or None if the group is unscored
 
 What this file adds to RULER:
@@ -22,36 +22,23 @@ What this file adds to RULER:
    insists, its scores are divided by the scale they evidently use (0-10, 0-100), or min-max
    normalized within the group, and the group is counted as `rescaled`. Negative or non-finite
    scores, and a mix of scales (0.8 beside 7), are parse errors.
-4. Two backends and a cache: `LocalBackend` runs any Hugging Face causal LM greedily (in
-   train.py, the policy's base model with the LoRA off); `HTTPBackend` speaks the OpenAI
-   `/v1/chat/completions` protocol (OpenAI, vLLM, llama.cpp, Ollama, ...) with the standard library
-   only, asks the server to shape the reply by the verdict's JSON schema, and hands a separate
-   reasoning field back inline as `<think>...</think>`, so one parser reads every judge.
-   `CachedBackend` wraps either and keeps its replies on disk, by a hash of (model, prompt).
+4. Any backend (judge_backends.py): an object whose `complete(messages)` returns the reply as
+   text. `LocalBackend` reads a Hugging Face model's probabilities over the score's digits
+   (G-Eval), so it always answers; `HTTPBackend` speaks the OpenAI `/v1/chat/completions`
+   protocol, asks for the verdict's JSON schema, and hands a separate reasoning field back inline
+   as `<think>...</think>`, so one parser reads every judge. Whatever a backend raises or returns
+   instead of text leaves the group unscored, never the run ended.
 5. Calibration: `agreement` measures how often the judge ranks an execution-correct trajectory
    above a wrong one in the same group (a per-group AUC); near 0.5, the judge adds noise.
 
 Simplifications, and why they are safe:
 - Nodes end at turns: two turns that differ in one token are two nodes, printed whole.
-- Backoff has no jitter: one trainer talks to one endpoint.
-- A prompt longer than the local model's context is refused (unscored), never truncated: a
-  relative judgement must see every trajectory it ranks.
 """
-import contextlib
-import hashlib
-import http.client
 import json
 import math
-import os
 import re
-import time
-import urllib.error
-import urllib.request
 from dataclasses import dataclass
 
-import torch
-
-from files import read_json, write_text_atomic
 from tree import Node, build_tree
 
 # ---------------------------------------------------------------- the prompt
@@ -348,8 +335,11 @@ def score_group(tree, backend, rubric: str = DEFAULT_RUBRIC, max_retries: int = 
     for attempt in range(1, max_retries + 2):
         try:
             reply = backend.complete(messages)
-        except JudgeError as e:
-            return JudgeResult(None, [], False, attempt, error=f"backend: {e}", reasoning=reasoning)
+            if not isinstance(reply, str):
+                raise TypeError(f"the backend replied with a {type(reply).__name__}, not text")
+        except Exception as e:    # whatever a backend raises leaves the group unscored, never the run ended
+            why = str(e) if isinstance(e, JudgeError) else repr(e)
+            return JudgeResult(None, [], False, attempt, error=f"backend: {why}", reasoning=reasoning)
         reasoning, answer = split_reasoning(reply)
         reasoning, unclosed = _clip(reasoning), answer is None
         try:
@@ -374,246 +364,3 @@ def score_group(tree, backend, rubric: str = DEFAULT_RUBRIC, max_retries: int = 
                 (f" (now {budget})" if budget else "")
     return JudgeResult(None, [], False, max_retries + 1, error=f"unparseable reply: {error}",
                        reasoning=reasoning)
-
-
-# ---------------------------------------------------------------- backends
-# A backend is any object with `cache_id: str` (what identifies its answers: kind + model)
-# and `complete(messages) -> str`, the judge's whole reply, its reasoning included (inline, in
-# `<think>...</think>` before the answer), raising JudgeError when it cannot answer. Both backends
-# here also have `max_tokens`, the reply's token budget, which an unscored group's error names
-# when the judge's reasoning ran past it.
-class LocalBackend:
-    """A Hugging Face causal LM on this machine, decoding greedily within a token budget.
-
-    adapter_off: a function returning a context manager under which `model` is the judge, for
-    the usual case where the judge is the policy's own base model: the trainer passes
-    `lambda: lora.lora_disabled(model)`, so the judge does not drift with the policy (the
-    default, a null context, judges with the model as it is). `max_tokens` is the reply's budget
-    (new tokens); `max_context` defaults to the model's `max_position_embeddings`; a prompt that
-    leaves fewer than `min_tokens` for the reply is refused with a JudgeError.
-    """
-
-    def __init__(self, model, tokenizer, max_tokens: int = 512, max_context: int | None = None,
-                 min_tokens: int = 64, name: str | None = None, adapter_off=contextlib.nullcontext):
-        self.model, self.tokenizer, self.adapter_off = model, tokenizer, adapter_off
-        self.max_tokens, self.min_tokens = max_tokens, min_tokens
-        self.max_context = max_context or model.config.max_position_embeddings
-        self.cache_id = "local:" + (name or getattr(model.config, "_name_or_path", "")
-                                    or type(model).__name__)
-
-    @torch.inference_mode()
-    def complete(self, messages: list[dict]) -> str:
-        text = self.tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-        device = next(self.model.parameters()).device
-        input_ids = self.tokenizer(text, add_special_tokens=False,
-                                   return_tensors="pt").input_ids.to(device)  # (1, T)
-        budget = min(self.max_tokens, self.max_context - input_ids.shape[1])
-        if budget < self.min_tokens:
-            raise JudgeError(f"prompt of {input_ids.shape[1]} tokens leaves {budget} of the "
-                             f"{self.max_context}-token context for the reply (need {self.min_tokens})")
-        was_training = self.model.training
-        self.model.eval()
-        try:
-            with self.adapter_off():
-                eos = self.tokenizer.eos_token_id
-                out = self.model.generate(input_ids, attention_mask=torch.ones_like(input_ids),
-                                          do_sample=False, max_new_tokens=budget, eos_token_id=eos,
-                                          pad_token_id=eos)  # (1, T + new)
-        except torch.OutOfMemoryError as e:   # a long group on a full GPU: it goes unscored, the run goes on
-            raise JudgeError(f"out of memory judging a {input_ids.shape[1]}-token prompt: "
-                             f"{str(e)[:120]}") from e
-        finally:
-            self.model.train(was_training)
-        return self.tokenizer.decode(out[0, input_ids.shape[1]:], skip_special_tokens=True)
-
-
-class CachedBackend:
-    """A backend whose replies are kept on disk, by a hash of (its cache_id, the messages): a group
-    judged again (a resumed run, a benchmark run twice) costs no call. A missing or unreadable entry
-    is a miss; every other attribute is the wrapped backend's."""
-
-    def __init__(self, backend, folder):
-        self.backend, self.folder = backend, folder
-
-    def __getattr__(self, name):
-        return getattr(self.backend, name)
-
-    def complete(self, messages: list[dict]) -> str:
-        digest = hashlib.sha256(json.dumps([self.backend.cache_id, messages]).encode()).hexdigest()
-        path = os.path.join(self.folder, digest[:2], digest + ".json")
-        try:
-            entry = read_json(path)
-        except (OSError, ValueError):
-            entry = None
-        if isinstance(entry, dict) and isinstance(entry.get("reply"), str):
-            return entry["reply"]
-        reply = self.backend.complete(messages)
-        write_text_atomic(path, json.dumps({"reply": reply}, ensure_ascii=False))
-        return reply
-
-
-NO_MODEL_LIST = (404, 405, 501)   # GET /models answered "not here", "not this method", "not implemented"
-
-# The verdict's shape, sent so that a server that constrains decoding makes the judge write it.
-def verdict_schema(n: int | None, pin_ids: bool = False) -> dict:
-    """The JSON schema of a verdict on trajectories 1..n: exactly n entries (any number for n None),
-    each an id, an explanation, then a score (explanation first: the judge explains, then scores).
-    Keywords that OpenAI's strict mode and llama.cpp both take; pin_ids (llama.cpp, whose grammar
-    can) fixes entry k's id to k, so no id is missed or scored twice. No numeric bounds: servers
-    do not enforce them, and the rescaling above reads any scale."""
-    def entry(trajectory_id):
-        return {"type": "object", "additionalProperties": False,
-                "required": ["trajectory_id", "explanation", "score"],
-                "properties": {"trajectory_id": trajectory_id, "explanation": {"type": "string"},
-                               "score": {"type": "number"}}}
-    if n is None:
-        scores = {"type": "array", "items": entry({"type": "integer"})}
-    elif pin_ids:
-        scores = {"type": "array", "prefixItems": [entry({"const": k}) for k in range(1, n + 1)],
-                  "minItems": n, "maxItems": n}
-    else:
-        scores = {"type": "array", "items": entry({"type": "integer", "enum": list(range(1, n + 1))}),
-                  "minItems": n, "maxItems": n}
-    return {"type": "object", "additionalProperties": False, "required": ["scores"],
-            "properties": {"scores": scores}}
-
-
-def _judged_count(messages: list[dict]) -> int | None:
-    """How many trajectories build_prompt's "Trajectory ids: 1, 2, ..." line asks about; None for
-    another prompt."""
-    found = (re.search(r"^Trajectory ids: (\d+(?:, \d+)*)$", m["content"], re.MULTILINE)
-             for m in messages if m["role"] == "user")
-    match = next(filter(None, found), None)
-    return len(match.group(1).split(", ")) if match else None
-
-
-# The `response_format` ladder, most constrained first. OpenAI's structured-output form first:
-# OpenAI, vLLM, SGLang, Ollama and llama-server honour it, and a server that does not know it
-# refuses it (llama-cpp-python: a 500), where one may ignore llama.cpp's unknown `schema` key
-# without a word. Then llama-cpp-python's form (JSON mode with a schema), JSON mode, nothing.
-RESPONSE_FORMATS = ("json_schema", "json_object+schema", "json_object", "none")
-FORMAT_REFUSED = (400, 422, 500)   # how servers refuse a response_format they do not support
-
-
-def format_body(name: str, n: int | None) -> dict | None:
-    """The request's `response_format` at a rung of RESPONSE_FORMATS, for a verdict on n trajectories
-    (None: send none)."""
-    if name == "json_schema":
-        return {"type": "json_schema",
-                "json_schema": {"name": "verdict", "strict": True, "schema": verdict_schema(n)}}
-    if name == "json_object+schema":
-        return {"type": "json_object", "schema": verdict_schema(n, pin_ids=True)}
-    return {"type": "json_object"} if name == "json_object" else None
-
-
-class HTTPBackend:
-    """Any OpenAI-compatible `/v1/chat/completions` endpoint, with the standard library only.
-
-    Arguments fall back to the usual environment variables: OPENAI_BASE_URL (default
-    https://api.openai.com/v1), OPENAI_API_KEY (may be empty for a local vLLM or Ollama) and
-    AGENTRL_JUDGE_MODEL. `max_tokens` is the reply's budget, reasoning included, and `timeout_s`
-    one request's: a reasoning judge needs far more of both than an instruct judge. Failures
-    that may pass (429, 5xx, timeouts, refused connections) are retried `max_retries` times,
-    waiting `backoff_s * 2**k` seconds, or what a 429's Retry-After asks (capped at `max_wait_s`).
-    The verdict's schema is asked for from the rung `response_format` of RESPONSE_FORMATS down:
-    until the server has accepted a format, a 400, 422 or 500 steps down at once (no retry
-    spent), for this request and every later one; after that, those codes mean what they usually do.
-    A separate reasoning field comes back inline (_inline_reasoning).
-    """
-
-    def __init__(self, base_url: str | None = None, model: str | None = None, api_key: str | None = None,
-                 timeout_s: float = 60, max_retries: int = 4, backoff_s: float = 1.0, max_wait_s: float = 60,
-                 max_tokens: int = 2048, response_format: str = "json_schema"):
-        self.base_url = (base_url or os.environ.get("OPENAI_BASE_URL")
-                         or "https://api.openai.com/v1").rstrip("/")
-        self.model = model or os.environ.get("AGENTRL_JUDGE_MODEL")
-        if not self.model:
-            raise ValueError("no judge model: pass model= or set AGENTRL_JUDGE_MODEL")
-        assert response_format in RESPONSE_FORMATS, f"response_format must be one of {list(RESPONSE_FORMATS)}"
-        self.api_key = api_key if api_key is not None else os.environ.get("OPENAI_API_KEY", "")
-        self.timeout_s, self.max_retries = timeout_s, max_retries
-        self.backoff_s, self.max_wait_s = backoff_s, max_wait_s
-        self.max_tokens, self.response_format, self.format_accepted = max_tokens, response_format, False
-        self.cache_id = f"http:{self.base_url}:{self.model}"
-
-    def _headers(self) -> dict:
-        headers = {"Content-Type": "application/json"}
-        if self.api_key:
-            headers["Authorization"] = f"Bearer {self.api_key}"
-        return headers
-
-    def check(self) -> str | None:
-        """Why the endpoint is unusable (unreachable, key refused, server error), or None if fine.
-
-        One GET of `/models`, no retries: meant for a trainer's start, to fail fast. A server that
-        answers but does not list models (404, 405, 501) counts as reachable: several
-        OpenAI-compatible servers and proxies serve chat completions only. A 401/403 or another
-        5xx is a problem, as is a refused connection.
-        """
-        request = urllib.request.Request(self.base_url + "/models", headers=self._headers())
-        try:
-            with urllib.request.urlopen(request, timeout=min(self.timeout_s, 10)):
-                return None
-        except urllib.error.HTTPError as e:
-            return None if e.code in NO_MODEL_LIST else f"HTTP {e.code} from {self.base_url}/models"
-        except (OSError, http.client.HTTPException) as e:
-            return f"cannot reach {self.base_url}: {e!r}"
-
-    def _post(self, messages: list[dict]) -> str:
-        body = {"model": self.model, "messages": messages, "temperature": 0, "max_tokens": self.max_tokens}
-        shape = format_body(self.response_format, _judged_count(messages))
-        if shape is not None:
-            body["response_format"] = shape
-        request = urllib.request.Request(self.base_url + "/chat/completions", json.dumps(body).encode(),
-                                         self._headers())
-        with urllib.request.urlopen(request, timeout=self.timeout_s) as response:
-            return response.read().decode("utf-8")
-
-    def complete(self, messages: list[dict]) -> str:
-        retries = 0
-        while True:
-            wait, why = None, ""
-            try:
-                choice = json.loads(self._post(messages))["choices"][0]
-                self.format_accepted = True
-                return _inline_reasoning(choice["message"], choice.get("finish_reason"))
-            except urllib.error.HTTPError as e:
-                detail = e.read().decode("utf-8", "replace")[:300]
-                if e.code in FORMAT_REFUSED and not self.format_accepted and self.response_format != "none":
-                    # refused: ask again one rung down, and start there from now on
-                    self.response_format = RESPONSE_FORMATS[RESPONSE_FORMATS.index(self.response_format) + 1]
-                    continue
-                if e.code != 429 and e.code < 500:
-                    raise JudgeError(f"HTTP {e.code} from {self.base_url}: {detail}") from None
-                why = f"HTTP {e.code}: {detail}"
-                wait = _retry_after(e.headers.get("Retry-After")) if e.code == 429 else None
-            except (json.JSONDecodeError, KeyError, IndexError, TypeError, AttributeError) as e:
-                why = f"malformed response body ({e!r})"
-            except (OSError, http.client.HTTPException) as e:  # refused, reset, timed out
-                why = f"connection failed: {e!r}"
-            if retries == self.max_retries:
-                raise JudgeError(f"giving up after {retries + 1} requests; last: {why}")
-            time.sleep(min(self.max_wait_s, wait if wait is not None else self.backoff_s * 2 ** retries))
-            retries += 1
-
-
-def _inline_reasoning(message: dict, finish_reason: str | None) -> str:
-    """A chat completion's message as one text: a reasoning field (`reasoning_content`, or
-    `reasoning`) before the content, `<think>reasoning</think>content`; with no content, and
-    reasoning or a token cap hit (the budget spent thinking, shown or hidden), `<think>reasoning`:
-    reasoning that never closed."""
-    content = message.get("content") or ""
-    reasoning = next((r for r in (message.get("reasoning_content"), message.get("reasoning"))
-                      if isinstance(r, str) and r), "")
-    if not content.strip() and (reasoning or finish_reason == "length"):
-        return f"<think>{reasoning}"
-    return f"<think>{reasoning}</think>{content}" if reasoning else content
-
-
-def _retry_after(value: str | None) -> float | None:
-    """Seconds from a Retry-After header (delta-seconds form; an HTTP date falls back to backoff)."""
-    try:
-        return max(0.0, float(value))
-    except (TypeError, ValueError):
-        return None
-

@@ -142,8 +142,13 @@ AttentionInterface.register(ATTENTION, sdpa_packed)
 AttentionMaskInterface.register(ATTENTION, ALL_MASK_ATTENTION_FUNCTIONS["sdpa"])   # the same masks as SDPA
 
 
+class ModelUnavailable(OSError):
+    """A model that is neither a local folder nor downloadable now (offline, a wrong id)."""
+
+
 def load_model(name_or_path=None, device=None, dtype=None):
-    """(model, tokenizer) for a hub id, a local folder, or (None) the embedded default.
+    """(model, tokenizer) for a hub id, a local folder, or (None, "embedded") the embedded default;
+    ModelUnavailable, with a one-line message, when it cannot be had.
 
     CUDA when present, else CPU; weights in the dtype precision_for picks for the device unless
     `dtype` is given."""
@@ -151,8 +156,12 @@ def load_model(name_or_path=None, device=None, dtype=None):
     if dtype is None:
         capability = torch.cuda.get_device_capability(device) if device.type == "cuda" else None
         dtype = precision_for(device.type, capability).weight_dtype
-    path = name_or_path or embedded_model_dir()
-    tokenizer = AutoTokenizer.from_pretrained(path)
+    path = embedded_model_dir() if name_or_path in (None, "embedded") else name_or_path
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except OSError as e:     # not a folder, not in the Hugging Face cache, and the hub out of reach
+        raise ModelUnavailable(f"cannot load the model {path!r} ({type(e).__name__}): pass --model PATH, "
+                               f"a local folder, or --model embedded for the embedded {EMBEDDED_NAME}") from e
     assert tokenizer.chat_template, f"{path} has no chat template: the agent needs a chat model"
     if tokenizer.pad_token_id is None:
         tokenizer.pad_token = tokenizer.eos_token

@@ -51,6 +51,7 @@ import report
 import sql_env
 from evaluate import WEIGHT_DTYPES, evaluate_splits, format_evals, load_eval_sets
 from files import read_json, read_jsonl, write_text_atomic
+from judge_backends import HTTP_JUDGE, CachedBackend, make_judge
 
 FRONTIER_SHARE = 0.75  # share of a step's tasks drawn from the frontier (sample_tasks)
 # tasks rolled out per group trained on: the mixed groups among them are kept (mixed_first)
@@ -66,7 +67,7 @@ def knob(default, help):
 @dataclass
 class Config:
     """Every knob of a run, at its CPU default (GPU_DEFAULTS: the others on a GPU); one flag each."""
-    model: str | None = knob(None, "HF hub id or local folder; None: the embedded SmolLM2-135M-Instruct")
+    model: str | None = knob(None, "HF hub id or local folder; None or 'embedded': the embedded SmolLM2")
     adapter: str | None = knob(None, "start from (or, with --eval-only, evaluate) this saved adapter folder")
     lora_r: int = knob(16, "LoRA rank")
     lora_alpha: float = knob(32.0, "LoRA alpha (scale = alpha / r)")
@@ -81,11 +82,11 @@ class Config:
     max_new_tokens: int = knob(128, "sampled tokens per turn")
     max_context: int = knob(2048, "tokens per trajectory, prompt included")
     temperature: float = knob(0.5, "sampling temperature of the rollouts")
-    judge: str = knob("auto", "auto (GPU: local, CPU: none), local, none (bonus alone), "
-                              "http ($OPENAI_BASE_URL) or a URL")
-    judge_model: str | None = knob(None, "local: HF id or folder (None: the policy's base model); "
-                                         "http: model name")
-    judge_max_tokens: int = knob(1024, "tokens the judge may write per reply "
+    judge: str = knob("auto", "auto (a server in $OPENAI_*, else GPU: local, CPU: none), local, none, "
+                              "http, or a URL")
+    judge_model: str | None = knob(None, "local: HF id or folder (None: the policy's); http: name "
+                                         f"(None: $AGENTRL_JUDGE_MODEL, {HTTP_JUDGE})")
+    judge_max_tokens: int = knob(1024, "http: tokens the judge may write per reply "
                                        "(a reasoning judge needs several thousand)")
     judge_timeout: float = knob(60.0, "http: seconds to wait for one reply")
     rubric: str | None = knob(None, "file with a rubric replacing the default one")
@@ -121,9 +122,11 @@ class Config:
         return [split.strip() for split in names.split(",") if split.strip()]
 
 
-# the only defaults a GPU changes
-GPU_DEFAULTS = dict(steps=40, groups_per_step=8, max_new_tokens=256, max_context=4096, temperature=1.0,
-                    sft_steps=0, lr=5e-5, micro_batch_size=4, eval_every=10, eval_split="test,test_schema")
+# The only defaults a GPU changes: the 3B agent (README, "Hardware", says why each). The warm start
+# stays: it teaches the tool-call format the rollouts are parsed by, and RL needs mixed groups.
+GPU_DEFAULTS = dict(model="Qwen/Qwen2.5-3B-Instruct", steps=40, groups_per_step=8, max_new_tokens=256,
+                    max_context=4096, temperature=1.0, lr=5e-5, micro_batch_size=4, eval_every=10,
+                    eval_split="test,test_schema")
 SECTIONS = {"model": "model and LoRA", "data": "data", "steps": "rollouts", "judge": "judge and reward",
             "sft_steps": "supervised warm start", "update": "update", "eval_every": "evaluation and run"}
 
@@ -304,27 +307,6 @@ def warm_start(config, model, tokenizer, batches, limits, grpo_config, metrics_p
 
 
 # ----------------------------------------------------------------------------- judge and reward
-def make_judge(config, model, tokenizer, device):
-    """Return a judge backend, or None for `--judge none` (rewards = correctness bonus alone). An
-    http endpoint that does not answer at start is an error."""
-    kind = config.judge if config.judge != "auto" else ("local" if device.type == "cuda" else "none")
-    if kind.startswith("http"):
-        url = kind if "://" in kind else None     # --judge http: $OPENAI_BASE_URL
-        backend = judge.HTTPBackend(base_url=url, model=config.judge_model,
-                                        max_tokens=config.judge_max_tokens, timeout_s=config.judge_timeout)
-        if (problem := backend.check()) is not None:
-            raise SystemExit(f"judge endpoint unreachable: {problem}\n"
-                             f"fix --judge URL, or train with --judge local or none")
-        return backend
-    if kind == "local" and config.judge_model:
-        return judge.LocalBackend(*lora.load_model(config.judge_model, device=device),
-                                      max_tokens=config.judge_max_tokens)
-    if kind == "local":   # the policy's base model, its LoRA switched off while it judges
-        return judge.LocalBackend(model, tokenizer, max_tokens=config.judge_max_tokens,
-                                      adapter_off=lambda: lora.lora_disabled(model))
-    return None
-
-
 def score_groups(groups, judge_backend, rubric, bonus):
     """Rewards, one list per group: the judge's relative score plus the correctness bonus. A group
     the judge cannot score (or `--judge none`) keeps the bonus alone.
@@ -432,7 +414,7 @@ def setup(config, device) -> Run:
                          for tier in {t.difficulty for t in rl_tasks}}
     run.judge = make_judge(config, model, tokenizer, device)
     if run.judge and parallel.is_main():    # its replies kept (rank 0 writes): a resumed step asks none twice
-        run.judge = judge.CachedBackend(run.judge, os.path.join(config.out, "judge_cache"))
+        run.judge = CachedBackend(run.judge, os.path.join(config.out, "judge_cache"))
     run.rubric = Path(config.rubric).read_text() if config.rubric else judge.DEFAULT_RUBRIC
     return run
 
@@ -609,6 +591,8 @@ def main(argv=None, score=score_groups):
     config = parse_args(argv)
     try:
         return run(config, score=score)
+    except lora.ModelUnavailable as e:
+        raise SystemExit(f"error: {e}") from None
     except OSError as e:
         if e.errno == errno.ENOSPC:
             raise SystemExit(f"disk full while writing to {config.out!r}: free space and rerun with --resume "

@@ -27,6 +27,7 @@ import torch
 import agentrl
 import files
 import judge
+import judge_backends
 import lora
 import report
 import sql_env
@@ -144,8 +145,9 @@ def judge_agreement(backend, groups, max_retries=0):
 def bench_agreement(args):
     """Agreement with execution correctness per judge backend, on the same fixed groups (agreement_groups).
 
-    Backends: `local`, the embedded model as train.py's `--judge local` uses it (greedy, plain
-    text, no constrained decoding); where llama_cpp is installed, `http` against llama.cpp's
+    Backends: `local`, the embedded model as train.py's `--judge local` uses it (its next-token
+    probabilities over the score's digits, G-Eval style: it always answers); where llama_cpp is
+    installed, `http` against llama.cpp's
     server on the embedded GGUF, once as HTTPBackend asks by default (the verdict's schema, down
     the format ladder to the form the server takes) and once in plain JSON mode. Each judge gets
     one reply per group, no correction turns (the trainer allows 2; on 2 CPU cores they would
@@ -157,12 +159,12 @@ def bench_agreement(args):
     mixed = sum(0 < sum(correct) < len(correct) for _, correct in groups)
     print(f"judge agreement with execution correctness: {len(groups)} groups of 4 (2 right, 2 wrong, same steps), "
           f"{mixed} mixed; one reply per group; 0.5 = a coin")
-    rows = {"local (embedded, transformers)": lambda url: judge.LocalBackend(model, tokenizer)}   # name: backend(url)
+    rows = {"local (embedded, transformers)": lambda url: judge_backends.LocalBackend(model, tokenizer)}   # name: backend(url)
     version, server = llama_cpp_version(), contextlib.nullcontext()
     if version:
         server = llama_cpp_server()
-        rows["http llama.cpp, schema"] = lambda url: judge.HTTPBackend(url, LLAMA_ALIAS, timeout_s=300)
-        rows["http llama.cpp, JSON mode"] = lambda url: judge.HTTPBackend(url, LLAMA_ALIAS, timeout_s=300,
+        rows["http llama.cpp, schema"] = lambda url: judge_backends.HTTPBackend(url, LLAMA_ALIAS, timeout_s=300)
+        rows["http llama.cpp, JSON mode"] = lambda url: judge_backends.HTTPBackend(url, LLAMA_ALIAS, timeout_s=300,
                                                                           response_format="json_object")
     print(f"{'backend':<32} {'scored':>7} {'agreement':>9} {'95% interval':>14} {'s/group':>8}  format / why unscored")
     with server as url:

@@ -21,9 +21,11 @@ import torch
 
 import agentrl
 import judge
+import judge_backends
 import sql_env
-from judge import (CachedBackend, HTTPBackend, JudgeError, LocalBackend, ParseError, ReasoningNeverClosed, agreement,
-                   conversation_tree, judge_ids, parse_scores, serialize, split_reasoning, unit_scale)
+from judge import (JudgeError, ParseError, ReasoningNeverClosed, agreement, conversation_tree, judge_ids,
+                   parse_scores, serialize, split_reasoning, unit_scale)
+from judge_backends import CachedBackend, HTTPBackend, LocalBackend
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -285,7 +287,7 @@ class ScriptedServer:
                                        "auth": self.headers.get("Authorization")})
                 status, headers, payload, delay = outer.script.pop(0)
                 time.sleep(delay)
-                data = payload.encode()
+                data = payload if isinstance(payload, bytes) else payload.encode()
                 self.send_response(status)
                 for k, v in headers.items():
                     self.send_header(k, v)
@@ -347,23 +349,23 @@ def test_http_valid_reply(serve):
     assert request["body"]["model"] == "judge-model" and request["body"]["temperature"] == 0
     assert request["body"]["max_tokens"] == 2048
     assert request["body"]["response_format"] == {"type": "json_schema", "json_schema": {
-        "name": "verdict", "strict": True, "schema": judge.verdict_schema(3)}}
+        "name": "verdict", "strict": True, "schema": judge_backends.verdict_schema(3)}}
 
 
 def test_verdict_schema_asks_for_each_id_once():
     """The schema sent for a prompt on n trajectories asks for exactly n entries with ids 1..n
     (OpenAI's form: an enum; llama.cpp's: entry k's id pinned to k); an answer in the schema's
     shape is one parse_scores reads. A prompt that is not build_prompt's gets the bare shape."""
-    n = judge._judged_count(judge.build_prompt(conversation_tree(group()), [1, 2, 3]))
+    n = judge_backends._judged_count(judge.build_prompt(conversation_tree(group()), [1, 2, 3]))
     assert n == 3
-    scores = judge.verdict_schema(n)["properties"]["scores"]
+    scores = judge_backends.verdict_schema(n)["properties"]["scores"]
     assert scores["minItems"] == scores["maxItems"] == 3
     assert scores["items"]["properties"]["trajectory_id"]["enum"] == [1, 2, 3]
     assert list(scores["items"]["properties"]) == ["trajectory_id", "explanation", "score"]
-    pinned = judge.verdict_schema(n, pin_ids=True)["properties"]["scores"]["prefixItems"]
+    pinned = judge_backends.verdict_schema(n, pin_ids=True)["properties"]["scores"]["prefixItems"]
     assert [e["properties"]["trajectory_id"] for e in pinned] == [{"const": 1}, {"const": 2}, {"const": 3}]
-    assert judge._judged_count([USER]) is None and "minItems" not in judge.verdict_schema(None)["properties"]["scores"]
-    assert judge.format_body("json_object+schema", 3)["schema"]["properties"]["scores"]["prefixItems"] == pinned
+    assert judge_backends._judged_count([USER]) is None and "minItems" not in judge_backends.verdict_schema(None)["properties"]["scores"]
+    assert judge_backends.format_body("json_object+schema", 3)["schema"]["properties"]["scores"]["prefixItems"] == pinned
     assert parse_scores(reply(0.2, 0.8, 0.5), 3)[0] == [0.2, 0.8, 0.5]
 
 
@@ -397,7 +399,7 @@ def test_http_timeout_is_retried(serve):
 
 
 def formats(server):
-    """The response_format each request asked for, by its rung in judge.RESPONSE_FORMATS."""
+    """The response_format each request asked for, by its rung in judge_backends.RESPONSE_FORMATS."""
     def rung(shape):
         return "none" if shape is None else shape["type"] + ("+schema" if "schema" in shape else "")
     return [rung(r["body"].get("response_format")) for r in server.requests]
@@ -625,6 +627,46 @@ def test_http_empty_content_is_a_counted_failure(serve):
     assert not result.scored and result.error == "unparseable reply: the reply was empty"
 
 
+def test_http_reply_of_any_bytes_scores_or_fails_the_group_never_the_run(serve):
+    """A reply body that is not UTF-8 never raises out of score_group: a bad byte inside an
+    explanation is read as U+FFFD and the group is scored; bytes that are not JSON at all are a
+    malformed reply, retried, then the group is unscored; so is a body over MAX_REPLY_BYTES."""
+    valid = json.dumps({"choices": [{"message": {"role": "assistant", "content": reply(0.1, 0.9, 0.5)},
+                                     "finish_reason": "stop"}]}).encode().replace(b"e2", b"e\xff2")
+    server = serve((200, {}, valid, 0))
+    result = score_group(group(), fast_backend(server))
+    assert result.scored and result.scores == [0.1, 0.9, 0.5] and result.explanations[1] == "e\ufffd2"
+    garbage = bytes(range(128, 256)) * 4
+    server = serve(*[(200, {}, garbage, 0)] * 2)
+    result = score_group(group(), fast_backend(server, max_retries=1))
+    assert not result.scored and "malformed response body" in result.error
+    monkey = serve((200, {}, b"x" * 2048, 0))
+    backend = fast_backend(monkey, max_retries=0)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(judge_backends, "MAX_REPLY_BYTES", 1024)
+        result = score_group(group(), backend)
+    assert not result.scored and "over 1024 bytes" in result.error
+
+
+def test_a_backend_that_raises_anything_leaves_the_group_unscored():
+    """Whatever a backend raises or returns, the group comes back unscored with the cause."""
+    class Broken:
+        cache_id = "broken"
+
+        def __init__(self, outcome):
+            self.outcome = outcome
+
+        def complete(self, messages):
+            if isinstance(self.outcome, Exception):
+                raise self.outcome
+            return self.outcome
+
+    for outcome, cause in [(UnicodeDecodeError("utf-8", b"\xff", 0, 1, "invalid start byte"), "invalid start"),
+                           (RuntimeError("boom"), "boom"), (b"\xff{}", "a bytes, not text"), (None, "NoneType")]:
+        result = score_group(group(), Broken(outcome))
+        assert not result.scored and result.scores is None and cause in result.error, result.error
+
+
 def test_reasoning_is_clipped_to_its_end():
     """The result keeps the last REASONING_CHARS characters of the reasoning (where the judge concludes)."""
     thought = "x" * judge.REASONING_CHARS + "so 2 wins"
@@ -657,15 +699,27 @@ def test_http_settings_from_environment(monkeypatch):
 
 
 # ---------------------------------------------------------------- local backend, tiny model
-def test_local_backend_end_to_end(tiny_llama, smol_tokenizer):
-    """A random tiny model judges badly, but the path runs and the result is well formed."""
-    result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer, max_tokens=16, min_tokens=8),
-                         max_retries=1)
-    assert result.attempts == 2 or (result.scored and result.attempts == 1)
-    if result.scored:
-        assert len(result.scores) == 3 and all(0 <= s <= 1 for s in result.scores)
-    else:
-        assert result.scores is None and result.error
+def test_local_backend_reads_the_expected_score_from_the_judges_probabilities(tiny_llama, smol_tokenizer):
+    """The local judge always answers: each score is the expectation of the judge's next-token
+    probabilities, (p1 + p0 E / 10) / (p0 + p1), as computed here by hand from one plain forward
+    over the prompt and the verdict's opening (no cache), within fp32 rounding."""
+    tree = conversation_tree(group())
+    messages = judge.build_prompt(tree, judge_ids(tree))
+    backend = LocalBackend(tiny_llama, smol_tokenizer)
+    result = judge.score_group(tree, backend)
+    assert result.scored and result.attempts == 1 and len(result.scores) == 3
+    ids = lambda text: smol_tokenizer(text, add_special_tokens=False).input_ids     # noqa: E731
+    digits = [ids(str(d))[0] for d in range(10)]
+    prompt = ids(smol_tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True))
+    for k, score in enumerate(result.scores, 1):
+        opening = ids(f'{{"scores": [{{"trajectory_id": {k}, "score": ') + [digits[0], ids(".")[0]]
+        with torch.no_grad():
+            logits = tiny_llama(torch.tensor([prompt + opening])).logits[0].double()
+        first, last = logits[-3].softmax(-1), logits[-1].softmax(-1)[digits]
+        expected = sum(d * p for d, p in enumerate(last.tolist())) / last.sum().item()
+        p0, p1 = first[digits[0]].item(), first[digits[1]].item()
+        assert score == pytest.approx((p1 + p0 * expected / 10) / (p0 + p1), rel=1e-4, abs=1e-6)
+        assert 0 <= score <= 1
 
 
 def test_local_backend_refuses_prompt_over_context(tiny_llama, smol_tokenizer):
@@ -676,18 +730,18 @@ def test_local_backend_refuses_prompt_over_context(tiny_llama, smol_tokenizer):
 
 
 def test_local_backend_out_of_memory_leaves_the_group_unscored(tiny_llama, smol_tokenizer, monkeypatch):
-    """An OOM while the judge generates (a long group on a full GPU) is a JudgeError: the group is
+    """An OOM while the judge reads (a long group on a full GPU) is a JudgeError: the group is
     unscored and training goes on with its correctness rewards, instead of the run dying."""
-    def out_of_memory(ids, **kw):
+    def out_of_memory(*args, **kw):
         raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
 
-    monkeypatch.setattr(tiny_llama, "generate", out_of_memory)
+    monkeypatch.setattr(tiny_llama, "forward", out_of_memory)
     result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer), max_retries=0)
     assert not result.scored and "out of memory" in result.error
 
 
-def test_local_backend_judges_inside_the_callers_adapter_off_context(tiny_llama, smol_tokenizer, monkeypatch):
-    """The trainer hands the judge its "LoRA off" context; generation runs inside it, and the
+def test_local_backend_judges_inside_the_callers_adapter_off_context(tiny_llama, smol_tokenizer):
+    """The trainer hands the judge its "LoRA off" context; the forwards run inside it, and the
     model's train/eval mode is restored afterwards."""
     events = []
 
@@ -697,25 +751,30 @@ def test_local_backend_judges_inside_the_callers_adapter_off_context(tiny_llama,
         yield
         events.append("on")
 
-    monkeypatch.setattr(tiny_llama, "generate", lambda ids, **kw: events.append("generate") or ids)
     tiny_llama.train()
-    assert LocalBackend(tiny_llama, smol_tokenizer, adapter_off=adapter_off).complete([USER]) == ""
-    assert events == ["off", "generate", "on"] and tiny_llama.training
+    result = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer, adapter_off=adapter_off))
+    assert result.scored and events == ["off", "on"] and tiny_llama.training
+    tiny_llama.eval()
 
 
 def test_local_backend_with_lora_disabled_judges_as_the_base_model(tiny_llama, smol_tokenizer):
-    """With the real lora.lora_disabled, a trained adapter does not change the judge's reply."""
+    """With the real lora.lora_disabled, a trained adapter does not change the judge's scores."""
     import lora
-    prompt = [USER]
-    base_reply = LocalBackend(tiny_llama, smol_tokenizer, max_tokens=8, min_tokens=4).complete(prompt)
+    base = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer)).scores
     lora.apply_lora(tiny_llama, r=4)
     with torch.no_grad():
         for p in lora.lora_parameters(tiny_llama):
             p.add_(torch.randn_like(p))
-    judged = LocalBackend(tiny_llama, smol_tokenizer, max_tokens=8, min_tokens=4,
-                          adapter_off=lambda: lora.lora_disabled(tiny_llama)).complete(prompt)
-    drifted = LocalBackend(tiny_llama, smol_tokenizer, max_tokens=8, min_tokens=4).complete(prompt)
-    assert judged == base_reply and drifted != base_reply
+    judged = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer,
+                                               adapter_off=lambda: lora.lora_disabled(tiny_llama))).scores
+    drifted = score_group(group(), LocalBackend(tiny_llama, smol_tokenizer)).scores
+    assert judged == pytest.approx(base, abs=1e-6) and drifted != pytest.approx(base, abs=1e-6)
+
+
+def test_local_backend_answers_only_a_judge_prompt(tiny_llama, smol_tokenizer):
+    """A prompt without build_prompt's trajectory ids has no verdict to read: a JudgeError."""
+    with pytest.raises(JudgeError, match="trajectory ids"):
+        LocalBackend(tiny_llama, smol_tokenizer).complete([USER])
 
 
 def test_importing_judge_loads_no_model_code():

@@ -3,7 +3,7 @@ server (`pip install 'llama-cpp-python[server]'`, see the README) serving the em
 
 The loopback tests in test_judge.py check our reading of what we think servers send; this one
 checks it against what a server no one here wrote does send, on the trainer's path
-(judge.HTTPBackend + judge.score_group, as train.make_judge builds it for `--judge http`).
+(judge_backends.HTTPBackend + judge.score_group, as train.make_judge builds it for `--judge http`).
 Skipped where llama_cpp is not installed (CI does not build it).
 """
 import time
@@ -13,6 +13,7 @@ import pytest
 pytest.importorskip("llama_cpp", reason="llama-cpp-python[server] is not installed (README: the local judge server)")
 
 import judge  # noqa: E402
+import judge_backends  # noqa: E402
 from bench.judge import LLAMA_ALIAS, agreement_groups, llama_cpp_server  # noqa: E402
 
 
@@ -26,7 +27,7 @@ def test_llama_cpp_server_scores_a_real_group_with_the_schema(smol_tokenizer, ca
     ((conversations, correct),) = agreement_groups(smol_tokenizer, seed=0, num_groups=1)
     t0 = time.perf_counter()
     with llama_cpp_server() as url:
-        backend = judge.HTTPBackend(base_url=url, model=LLAMA_ALIAS, timeout_s=300)
+        backend = judge_backends.HTTPBackend(base_url=url, model=LLAMA_ALIAS, timeout_s=300)
         assert backend.check() is None
         result = judge.score_group(judge.conversation_tree(conversations), backend)   # as the trainer calls it: up to 2 corrections
     seconds = time.perf_counter() - t0

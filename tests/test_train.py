@@ -6,7 +6,10 @@ that differ within each group, which is all GRPO needs to produce a gradient.
 import json
 import os
 import re
+import subprocess
+import sys
 from dataclasses import fields
+from pathlib import Path
 from types import SimpleNamespace
 
 import pytest
@@ -16,9 +19,12 @@ from safetensors.torch import load_file
 import bench.learn
 import evaluate
 import judge
+import judge_backends
 import report
 import train
 from files import read_json, read_jsonl
+
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class ScriptedJudge:
@@ -169,6 +175,61 @@ def test_gpu_defaults_differ_only_where_declared(monkeypatch):
     assert changed == set(train.GPU_DEFAULTS) and all(getattr(gpu, k) == v for k, v in train.GPU_DEFAULTS.items())
 
 
+def test_on_a_gpu_the_defaults_are_the_3b_agent_with_its_warm_start(monkeypatch):
+    """A CUDA device (faked) without flags: the policy is Qwen2.5-3B-Instruct, the warm start
+    still runs (its demonstrations teach the tool-call format), and both held-out splits are
+    evaluated; `--model embedded` asks for the embedded model instead."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    config = train.parse_args([])
+    assert config.model == "Qwen/Qwen2.5-3B-Instruct" and config.sft_steps == 48 and config.temperature == 1.0
+    assert config.eval_splits == ["test", "test_schema"] and config.judge == "auto"
+    assert train.parse_args(["--model", "embedded"]).model == "embedded"
+
+
+@pytest.mark.parametrize("flag, device, environ, kind", [
+    ("auto", "cuda", {}, "local"),
+    ("auto", "cpu", {}, "none"),
+    ("auto", "cuda", {"OPENAI_BASE_URL": "http://127.0.0.1:8000/v1"}, "http"),
+    ("auto", "cpu", {"OPENAI_API_KEY": "sk-x"}, "http"),
+    ("none", "cuda", {"OPENAI_API_KEY": "sk-x"}, "none"),
+    ("local", "cpu", {"OPENAI_BASE_URL": "http://x/v1"}, "local"),
+])
+def test_the_judge_auto_picks_a_judge_server_then_the_gpu_model_then_none(flag, device, environ, kind):
+    """--judge auto uses a judge server where the environment names one (RULER's setup), else the
+    policy's base model on a GPU, else none; any other --judge is taken as given, and the reason
+    is said."""
+    chosen, why = judge_backends.judge_kind(train.parse_args(["--judge", flag]), device, environ)
+    assert chosen == kind and why
+
+
+def test_make_judge_says_which_judge_and_why(monkeypatch, capsys):
+    """The start of a run names the judge and why it was chosen; --judge http without a model name
+    asks for HTTP_JUDGE at OPENAI_BASE_URL (here a stub that answers the reachability check)."""
+    monkeypatch.delenv("AGENTRL_JUDGE_MODEL", raising=False)
+    monkeypatch.setenv("OPENAI_BASE_URL", "http://127.0.0.1:9/v1")
+    monkeypatch.setattr(judge_backends.HTTPBackend, "check", lambda self: None)
+    backend = train.make_judge(train.parse_args([]), None, None, torch.device("cpu"))
+    out = capsys.readouterr().out
+    assert backend.model == train.HTTP_JUDGE and backend.base_url == "http://127.0.0.1:9/v1"
+    assert f"judge: {train.HTTP_JUDGE} at http://127.0.0.1:9/v1 (--judge auto, and OPENAI_BASE_URL" in out
+    monkeypatch.delenv("OPENAI_BASE_URL")
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    assert train.make_judge(train.parse_args([]), None, None, torch.device("cpu")) is None
+    assert "judge: none, the reward is the correctness bonus alone (--judge auto on a CPU" in capsys.readouterr().out
+
+
+def test_a_model_out_of_reach_is_one_line_naming_the_way_out(tmp_path):
+    """Offline, a hub model that is not in the cache stops the run with one line that names
+    --model PATH and the embedded model, no traceback."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "HF_HOME": str(tmp_path / "hf"), "TRANSFORMERS_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "train.py", "--model", "Qwen/Qwen2.5-3B-Instruct", "--out",
+                           str(tmp_path / "run")], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("error: cannot load the model 'Qwen/Qwen2.5-3B-Instruct'")
+    assert "--model PATH" in last and "--model embedded" in last and "SmolLM2-135M-Instruct" in last
+
+
 def test_config_round_trips_through_config_json(tiny_model_dir, tmp_path, monkeypatch):
     """The config.json a run writes reads back as the very Config it ran with (the held-out splits
     named, as the run used them)."""
@@ -196,21 +257,21 @@ def test_unreachable_judge_endpoint(tiny_model_dir, tmp_path):
 
 def test_the_judge_flags_reach_the_backends(tiny_model_dir, tmp_path, tiny_llama, smol_tokenizer, monkeypatch, capsys):
     """--judge-max-tokens and --judge-timeout reach the http backend, whose URL is --judge itself;
-    the local judge gets the token budget, and judges with the policy's LoRA switched off."""
+    the local judge (which reads probabilities, no token budget) judges with the LoRA switched off."""
     import lora
     cpu = torch.device("cpu")
-    monkeypatch.setattr(train.judge.HTTPBackend, "check", lambda self: None)    # as if it answered
+    monkeypatch.setattr(judge_backends.HTTPBackend, "check", lambda self: None)    # as if it answered
     args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "http://127.0.0.1:9/v1", "--judge-model",
                                       "m", "--judge-max-tokens", "4096", "--judge-timeout", "300"))
     http = train.make_judge(args, None, None, cpu)
     assert (http.base_url, http.max_tokens, http.timeout_s) == ("http://127.0.0.1:9/v1", 4096, 300)
-    args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "local", "--judge-max-tokens", "77"))
+    args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "local"))
     lora.apply_lora(tiny_llama, r=2, alpha=4)
     local = train.make_judge(args, tiny_llama, smol_tokenizer, cpu)
     layer = next(m for m in tiny_llama.modules() if isinstance(m, lora.LoRALinear))
     with local.adapter_off():
         assert not layer.enabled
-    assert layer.enabled and local.max_tokens == 77
+    assert layer.enabled
     with pytest.raises(SystemExit):
         train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "htp://x"))
     assert "--judge 'htp://x'" in capsys.readouterr().err
