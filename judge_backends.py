@@ -86,13 +86,13 @@ class LocalBackend:
             with self.adapter_off():
                 cache = self.model(torch.tensor([prompt], device=device), use_cache=True).past_key_values
                 scores, keyword = [], lora.cache_keyword(self.model)    # (past_key_values= or cache=)
+                digit_ids, values = self.digits.to(device), torch.arange(10, device=device)
                 for opening in openings:
                     logits = self.model(torch.tensor([opening], device=device), use_cache=True,
                                         **{keyword: copy.deepcopy(cache)}).logits[0].float()  # (L, V)
-                    first = logits[-3].softmax(-1)            # after `"score": `: "0" or "1"
-                    p0, p1 = first[self.digits[0]], first[self.digits[1]]
-                    digits = logits[-1].softmax(-1)[self.digits.to(device)]   # after `0.`
-                    expected = (digits * torch.arange(10, device=device)).sum() / digits.sum()
+                    p0, p1 = logits[-3].softmax(-1)[digit_ids[:2]]       # after `"score": `: "0" or "1"
+                    digits = logits[-1].softmax(-1)[digit_ids]            # after `0.`
+                    expected = (digits * values).sum() / digits.sum()
                     scores.append(((p1 + p0 * expected / 10) / (p0 + p1)).item())
         except torch.OutOfMemoryError as e:   # a long group on a full GPU: it goes unscored, the run goes on
             raise JudgeError(f"out of memory judging a {len(prompt)}-token prompt: {str(e)[:120]}") from e
