@@ -4,7 +4,7 @@
     group = rollout_group(model, tokenizer, task, n=8, sampling=Sampling(seed=0), limits=Limits())
     group.trajectories[0].token_ids                     # exactly what GRPO will train on
     group.tree                                          # the turns its trajectories share (Node)
-    demo = demonstration(tokenizer, task)               # a gold demonstration for SFT, as rollouts record
+    demo = demonstration(tokenizer, task)               # a gold SFT demonstration, as a rollout records it
 
 An episode: the system prompt (with the tools), a worked example, the question; then turns in which
 the model writes one `<tool_call>{json}</tool_call>` and the environment answers, until it calls
