@@ -14,7 +14,7 @@
     python -m bench scale          # train.py steps per minute: 1 process vs 2 (torchrun); rollout vs the rest
     python -m bench allocator      # a short run's peak memory and phase times: activations kept vs recomputed
     python -m bench gpu            # the GPU check: the 3B shape under a T4's memory, then real training steps
-    python -m bench footprint [--cwd DIR]   # a whole train.py run: phase times, summed PSS of every process
+    python -m bench footprint [--baseline DIR]   # whole train.py runs: phase times, summed PSS of every process
 
 `--variants a,b` (update, eval, scale) runs a subset, the first the baseline. learn, sweep, scale and
 allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
@@ -54,6 +54,7 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
     ("--split", "eval", dict(default="test", help="the held-out split to evaluate")),
     ("--tasks", "eval", dict(type=int, default=0, help="the split's first N tasks (0: all)")),
     ("--cwd", "footprint", dict(default=None, help="the checkout whose train.py runs (default: this one)")),
+    ("--baseline", "footprint", dict(default=None, help="a checkout run first, the same flags: the baseline")),
     ("--tokenizer", "gpu memory", dict(default=None, help="3B shape: a tokenizer folder (default: the embedded one)")),
     ("--eval-size", "learn sweep", dict(type=int, default=0, help="held-out (sweep: val) tasks per split (0: all)")),
     ("--sft-steps", "learn sweep", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),

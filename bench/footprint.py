@@ -1,7 +1,7 @@
 """A whole train.py run's time and memory, every process counted: `python -m bench footprint`.
 
-    python -m bench footprint --cwd ../old-main --eval-size 64 --sft-steps 24   # another checkout's
-    python -m bench footprint --eval-size 64 --sft-steps 24                     # this one, the same flags
+    python -m bench footprint --baseline ../old-main --eval-size 64 --sft-steps 24   # both, side by side
+    python -m bench footprint --eval-size 64 --sft-steps 24                          # this checkout alone
 
 `/usr/bin/time -v` reports the largest single process; during an evaluation the parent and its
 forked evaluators hold memory together, and they share pages (the weights), so their resident
@@ -44,11 +44,11 @@ def tree_pss_kib(root_pid) -> int:
     return total
 
 
-def bench_footprint(args):
-    cwd = os.path.abspath(args.cwd or ".")
+def footprint(cwd, train_flags) -> dict:
+    """One `python train.py` run in checkout `cwd`: its phase times and the peak summed PSS."""
     out = os.path.join(cwd, "runs", "bench_footprint")
     shutil.rmtree(out, ignore_errors=True)
-    argv = [sys.executable, "train.py", *args.train_flags, "--out", out]
+    argv = [sys.executable, "train.py", *train_flags, "--out", out]
     print(f"running in {cwd}: {' '.join(argv[1:])}", flush=True)
     t0, peak, samples = time.perf_counter(), 0, []   # samples: (seconds, PSS KiB, metrics lines so far)
     child = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL)
@@ -60,7 +60,7 @@ def bench_footprint(args):
         peak = max(peak, pss)
         time.sleep(0.5)
     if child.returncode:
-        raise SystemExit(f"footprint: train.py failed (exit {child.returncode})")
+        raise SystemExit(f"footprint: train.py failed in {cwd} (exit {child.returncode})")
     records = run_records(out)
     # an evaluation's time: from the moment the record before it appeared to the moment its own did
     appeared = {}
@@ -68,14 +68,26 @@ def bench_footprint(args):
         for k in range(1, lines + 1):
             appeared.setdefault(k, seconds)
     steps = [r for r in records if "reward_mean" in r]
-    evals = [appeared[k] - appeared[k - 1] for k, r in enumerate(records, 1)      # the first, with the
-             if k > 1 and "sft_step" not in r and "reward_mean" not in r and k in appeared]   # model's load: left out
-    result = {"run_s": time.perf_counter() - t0, "peak_pss_gib": peak / 2**20,
-              "sft_step_s": mean_or_nan([r["time_step"] for r in records if "sft_step" in r]),
-              "grpo_step_s": mean_or_nan([r["time_step"] for r in steps]),
-              "rollout_s": mean_or_nan([r["time_rollout"] for r in steps]),
-              "evaluation_s": mean_or_nan(evals), "evaluations": len(evals)}
-    print(json.dumps(result))
-    print(f"whole run {result['run_s']:.0f} s | summed PSS peak {result['peak_pss_gib']:.2f} GiB | SFT step "
-          f"{result['sft_step_s']:.1f} s | GRPO step {result['grpo_step_s']:.1f} s (rollout {result['rollout_s']:.1f} s)"
-          f" | evaluation {result['evaluation_s']:.0f} s (of {len(evals)})")
+    # every evaluation but the first, whose time holds the model's load
+    evals = [appeared[k] - appeared[k - 1] for k, r in enumerate(records, 1)
+             if k > 1 and "sft_step" not in r and "reward_mean" not in r and k in appeared]
+    return {"run_s": time.perf_counter() - t0, "peak_pss_gib": peak / 2**20,
+            "sft_step_s": mean_or_nan([r["time_step"] for r in records if "sft_step" in r]),
+            "grpo_step_s": mean_or_nan([r["time_step"] for r in steps]),
+            "rollout_s": mean_or_nan([r["time_rollout"] for r in steps]),
+            "evaluation_s": mean_or_nan(evals), "evaluations": len(evals)}
+
+
+def bench_footprint(args):
+    """--baseline DIR first, then --cwd (default: here), the same flags, one after the other;
+    both printed side by side with the ratio ours / baseline."""
+    runs = {}
+    if args.baseline:
+        runs["baseline"] = footprint(os.path.abspath(args.baseline), args.train_flags)
+    runs["ours"] = footprint(os.path.abspath(args.cwd or "."), args.train_flags)
+    print(json.dumps(runs))
+    print(f"{'':<14}" + "".join(f"{name:>12}" for name in runs) + ("       ratio" if len(runs) == 2 else ""))
+    for key in ("run_s", "peak_pss_gib", "sft_step_s", "grpo_step_s", "rollout_s", "evaluation_s"):
+        values = [r[key] for r in runs.values()]
+        ratio = f"{values[1] / values[0]:>11.2f}x" if len(values) == 2 and values[0] else ""
+        print(f"{key:<14}" + "".join(f"{v:>12.2f}" for v in values) + ratio)
