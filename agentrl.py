@@ -4,6 +4,7 @@
     group = rollout_group(model, tokenizer, task, n=8, sampling=Sampling(seed=0), limits=Limits())
     group.trajectories[0].token_ids                     # exactly what GRPO will train on
     group.tree                                          # the turns its trajectories share (Node)
+    group = branch_groups(model, tokenizer, [group], 16, Sampling(seed=1), Limits())[0]  # 8 more, branched
     demo = demonstration(tokenizer, task)               # a gold SFT demonstration, as a rollout records it
 
 An episode: the system prompt (with the tools), a worked example, the question; then turns in which
@@ -14,7 +15,9 @@ the model writes one `<tool_call>{json}</tool_call>` and the environment answers
 A group is a tree (tree.py, `make_group`): its trajectories share the prompt, and often their first
 turns and the tool's answers. The root's child is the prompt, each node below it one turn (the
 sampled call, the tool's answer, the next turn's header); a trajectory is the path to its leaf.
-The judge prints that tree (judge.py), the update forwards each of its nodes once (forward.py).
+The judge prints that tree (judge.py), the update forwards each of its nodes once (forward.py), and
+the step advantages are read off it (grpo.step_advantages). A group can also grow as a tree on
+purpose (`branch_groups`): rows that start from a state another row reached after a tool result.
 
 How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows):
   1) the prompts' common prefix is encoded once, into a one-row cache every row starts from;
@@ -37,8 +40,9 @@ Simplifications, and why they are safe:
 - A waiting row still samples a token each step, ignored: cheaper than gathering the rows that need one.
 """
 import json
+import random
 import re
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 import torch.nn as nn
@@ -251,7 +255,7 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, max_rows=None) -> list[TrajectoryGroup]:
+                   make_env=None, forced_turns=None, max_rows=None, starts=None) -> list[TrajectoryGroup]:
     """N trajectories for each task, decoded in one batch (the steps in the module docstring): one
     TrajectoryGroup per task, in task order, with its tree. The same seed gives the same trajectories.
 
@@ -260,7 +264,9 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     forced_turns: a test hook: forced_turns[i][k] is a text row i (task-major: task g, sample j is
         row g*n + j) emits at the start of turn k instead of sampling; its log-probs are the model's.
     max_rows: at most this many rows decode at once (default: all G*N); the others join at flushes,
-        in task order, in the places of finished rows (continuous batching)."""
+        in task order, in the places of finished rows (continuous batching).
+    starts: starts[r] = (trajectory, k): row r goes on from that trajectory's state after k turns
+        (k = 0: the prompt) instead of starting afresh (branch_groups)."""
     if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
         return []
     was_training, device = model.training, model.device
@@ -272,13 +278,14 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
-        rows, prompts = _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv, forced_turns)
+        rows = _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv, forced_turns, starts)
+        prompts = [row.token_ids for row in rows]
         prefix = KVCache(model.config)
         prefix_len = common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
         forward(torch.tensor([prompts[0][:prefix_len]], device=device),
                 torch.ones((1, prefix_len), dtype=torch.long, device=device), prefix)
-        for r, row in enumerate(rows):
-            row.pending = prompts[r // n][prefix_len:]     # the first feed: at least one token of its own
+        for row in rows:
+            row.pending = row.token_ids[prefix_len:]     # the first feed: at least one token of its own
 
         cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
         mask = torch.zeros((0, 0), dtype=torch.long, device=device)       # (B, S): 1 real token, 0 hole
@@ -367,11 +374,11 @@ def _distinct_histories(rows):
     return firsts, which
 
 
-def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns):
+def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns, starts):
     """The rows of a rollout, task-major (task g, sample j is row g*n + j), each with its own
     environment and the task's prompt: system prompt with the tools, the demonstration, the
-    question, through the chat template. Returns (rows, one prompt's token ids per task)."""
-    rows, prompts = [], []
+    question, through the chat template; a row with a start goes on from there (_go_to)."""
+    rows = []
     inline_tools = not template_takes_tools(tokenizer)
     for task in tasks:
         envs = [make_env(task) for _ in range(n)]
@@ -379,13 +386,61 @@ def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns):
         prompt = encode(tokenizer, render(tokenizer, messages, envs[0].tools, add_generation_prompt=True))
         assert len(prompt) < limits.max_context, \
             f"prompt of {len(prompt)} tokens exceeds max_context={limits.max_context}"
-        prompts.append(prompt)
         for env in envs:
             forced = [encode(tokenizer, text) for text in forced_turns[len(rows)]] if forced_turns else []
-            rows.append(_Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
-                             [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
-                             text_len=len(decode(tokenizer, prompt)), turns=[(len(prompt), len(messages))]))
-    return rows, prompts
+            row = _Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
+                       [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
+                       text_len=len(decode(tokenizer, prompt)), turns=[(len(prompt), len(messages))])
+            if starts and starts[len(rows)][1]:
+                _go_to(row, *starts[len(rows)], tokenizer)
+            rows.append(row)
+    return rows
+
+
+def _go_to(row, trajectory, k, tokenizer):
+    """Put a fresh row in the state `trajectory` reached after k turns: its tokens, with mask 0 (the
+    trajectory sampled them and is credited for them; this row trains only on what it samples), its
+    messages, and the environment, brought there by making the trajectory's k tool calls again (its
+    counters; the messages stay the trajectory's, should a query answer differently, a timeout say)."""
+    end, last = trajectory.turns[k]
+    for message in trajectory.messages[len(row.messages):last:2]:       # its assistant turns
+        row.num_turns += 1
+        row.num_tool_calls += "<tool_call>" in message["content"]
+        try:
+            row.env.call(*parse_tool_call(message["content"]))
+        except ToolCallError:
+            row.num_parse_errors += 1
+    row.messages = [dict(m) for m in trajectory.messages[:last]]
+    row.token_ids, row.mask, row.logprobs = trajectory.token_ids[:end], [0] * end, [0.0] * end
+    row.turn_start, row.text_len = end, len(decode(tokenizer, row.token_ids))
+    row.turns = list(trajectory.turns[:k + 1])
+
+
+def branch_groups(model, tokenizer, groups, n, sampling, limits, rule="uniform", max_rows=None, make_env=None):
+    """Groups that branch at turn boundaries (Tree-GRPO, arXiv:2509.21240): each group, rolled out
+    whole, gets new rows up to n that go on from one of its states right after a tool result
+    (`_go_to`), sampled from there; a group with no such state gets rows from the prompt. The state is
+    drawn uniformly over the trajectories' turn boundaries (a state m of them share, m times as
+    often), or (rule "entropy", after ARPO, arXiv:2507.19849) in proportion to the entropy of the
+    turn the trajectory sampled there (-log p of its first 8 tokens over 8; a shorter turn's tool
+    tokens count 0): where the policy was unsure. The copied part is fed once per distinct state in
+    one forward, never decoded again. Returns the groups with their new trees."""
+    if not groups:
+        return []
+    rng, starts, more = random.Random(f"branch {sampling.seed}"), [], n - len(groups[0].trajectories)
+    assert more > 0 and all(len(g.trajectories) == n - more for g in groups), "groups of one size, under n"
+    assert rule in ("uniform", "entropy"), f"rule: uniform or entropy, got {rule!r}"
+    for group in groups:
+        states = [(t, k) for t in group.trajectories for k in range(1, len(t.turns))]
+        if not states:
+            starts += [(group.trajectories[0], 0)] * more
+            continue
+        entropy = [-sum(t.sampled_logprobs[t.turns[k][0]:][:8]) / 8 + 1e-6 for t, k in states]
+        starts += rng.choices(states, weights=entropy if rule == "entropy" else None, k=more)
+    sampling = replace(sampling, seed=sampling.seed + 2**32)      # a stream no other rollout's seed gives
+    branched = rollout_groups(model, tokenizer, [g.task for g in groups], more, sampling, limits,
+                              make_env=make_env, max_rows=max_rows, starts=starts)
+    return [make_group(g.task, g.trajectories + b.trajectories) for g, b in zip(groups, branched)]
 
 
 def _next_tokens(logits, rows, sampling, generator):

@@ -116,7 +116,7 @@ def tree_logprobs(model, tree, trajectories, rows, chunk_size=512):
 
 def collate(trajectories, advantages, device):
     """Right-pad trajectories into a batch: mask (B, T) 1.0 on trained tokens; old_logprobs (B, T)
-    the rollout's; advantages (B,)."""
+    the rollout's; advantages (B,), or (B, T) where they are given per token (lists)."""
     T = max(len(t.token_ids) for t in trajectories)
     for t in trajectories:
         assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), \
@@ -129,7 +129,8 @@ def collate(trajectories, advantages, device):
 
     return {"mask": pad([t.assistant_mask for t in trajectories]),
             "old_logprobs": pad([t.sampled_logprobs for t in trajectories]),
-            "advantages": torch.tensor(advantages, dtype=torch.float32, device=device)}       # (B,)
+            "advantages": (pad(advantages) if any(isinstance(a, list) for a in advantages)   # (B, T)
+                           else torch.tensor(advantages, dtype=torch.float32, device=device))}  # (B,)
 
 
 # ---------------------------------------------------------------- 3) train mode and memory

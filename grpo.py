@@ -1,13 +1,16 @@
 """The learning rule: GRPO on a LoRA, written as small pure functions.
 
     batch, counts = batch_from_groups(groups, rewards)             # 1) better or worse than the group?
+    batch, counts = batch_from_groups(groups, rewards, step_credit=1.0)  #  and each turn than its state's?
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)       #    (disabled: a pass-through)
     stats = grpo_step(model, optimizer, batch, GRPOConfig(), scaler,  # 2) one optimizer step
                       reference_context=lora.lora_disabled(model))
 
 GRPO (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300) drops PPO's value network: the n
 trajectories of a group answer the same task, so the group mean reward is the baseline, and
-every trained token of a trajectory shares its advantage. The update is PPO's clipped surrogate
+every trained token of a trajectory shares its advantage. Step credit (GiGPO, step_advantages)
+adds to each turn's tokens a second advantage, taken among the trajectories that reached the
+state the turn starts from: the group's tree knows those states exactly. The update is PPO's clipped surrogate
 on those advantages, token by token, over the tokens the model sampled (prompts and tool
 results carry mask 0). One step (grpo_step): each group's tree is forwarded once
 (forward.tree_logprobs), policy_loss gives its loss, normalized over the whole step, and its
@@ -96,25 +99,93 @@ def group_advantages(rewards, scale_by_std=True, eps=1e-6):
     return advantages, counts
 
 
-def batch_from_groups(groups, rewards, scale_by_std=True):
+def step_advantages(tree, returns, scale_by_std=True, eps=1e-6):
+    """Per-turn step advantages read off a group's tree (GiGPO's A^S, Feng et al. 2025, arXiv:2505.10978):
+    returns (steps, anchors). A node's end is a state (the same tokens up to the start of an
+    assistant turn: the same calls, the same tool results) and its children the turns taken from
+    it. At a state two or more trajectories share, each one's step advantage for the turn it takes
+    there is its return minus the mean return through the state (over their std unless
+    scale_by_std=False); at a state seen once it is 0. returns: one float per trajectory, None for
+    one left out. steps[i]: one float per turn of trajectory i; anchors: the sizes of the shared
+    states past the prompt that a turn is taken from. The return is the episode's reward, undiscounted: the reward comes once,
+    at the end, and a discount would favour short episodes, which correctness does not ask for.
+    The prompt is a state every trajectory shares, so the first turn's A^S is GRPO's A^E.
+
+    Four trajectories, rewards 1, 0, 1, 0 (no std scaling): all four share the prompt (mean 0.5),
+    three of them the state after list_tables (mean 2/3), two the state after describe (0.5):
+
+        prompt {0,1,2,3} -> list_tables {0,1,2} -> describe {0,1} -> submit A {0}    r = 1
+                                                                  -> submit B {1}    r = 0
+                                                -> submit C {2}                      r = 1
+                         -> submit D {3}                                             r = 0
+
+    >>> from tree import build_tree
+    >>> turns = {0: ["list", "describe", "A"], 1: ["list", "describe", "B"], 2: ["list", "C"], 3: ["D"]}
+    >>> paths = [[(0, [0], [])] + [(0, [], [{"content": c}]) for c in turns[i]] for i in range(4)]
+    >>> steps, anchors = step_advantages(build_tree(paths), [1.0, 0.0, 1.0, 0.0], scale_by_std=False)
+    >>> [[round(a, 3) for a in s] for s in steps], anchors
+    ([[0.5, 0.333, 0.5], [-0.5, -0.667, -0.5], [0.5, 0.333], [-0.5]], [3, 2])
+    """
+    steps, anchors = {i: [] for i in range(len(returns))}, []
+
+    def visit(state, past_prompt):
+        through = [i for i in state.rows if returns[i] is not None]
+        r = torch.tensor([returns[i] for i in through], dtype=torch.float64)
+        shared = len(through) >= 2 and r.std() > eps      # (and with one trajectory, no std to take)
+        a = (r - r.mean()) / (r.std() if scale_by_std else 1) if shared else torch.zeros(len(through))
+        anchors.extend([len(through)] * (past_prompt and len(through) >= 2 and bool(state.children)))
+        advantage = dict(zip(through, a.tolist()))
+        for turn in state.children:
+            for i in turn.rows:
+                steps[i].append(advantage.get(i, 0.0))
+            visit(turn, True)
+
+    for prompt in tree.children:
+        visit(prompt, False)
+    return [steps[i] for i in range(len(returns))], anchors
+
+
+def batch_from_groups(groups, rewards, scale_by_std=True, step_credit=0.0):
     """From a step's groups and their rewards to what grpo_step takes: (batch, counts).
 
     groups: agentrl.TrajectoryGroup; rewards: one list per group. batch: [(group, advantages)] for
-    the groups with signal, advantages one float per trajectory, None for one left out. A
-    trajectory cut on non-finite logits (fp16 overflow) is a numeric failure, not an outcome of
-    the policy: it leaves its group before the baseline is taken (a group left with under 2 is
-    unscored). counts: group_advantages' + non_finite_trajectories.
+    the groups with signal; advantages[i] is trajectory i's A^E (one float every token shares), or,
+    with step_credit w != 0, one float per token: A^E + w * A^S on each turn's tokens
+    (step_advantages); None for a trajectory left out. A trajectory cut on non-finite logits (fp16
+    overflow) is a numeric failure, not an outcome of the policy: it leaves its group before the
+    baseline is taken (a group left with under 2 is unscored). counts: group_advantages' +
+    non_finite_trajectories; the anchor states of the trained groups (step_advantages) and the
+    trajectories through them; their trained tokens past the first turn (whose A^S is A^E), and
+    those whose step advantage is not 0.
     """
     assert len(groups) == len(rewards), "one list of rewards per group"
     kept = [[i for i, t in enumerate(g.trajectories) if t.stop_reason != "non_finite_logits"] for g in groups]
     kept_rewards = [[rs[i] for i in ks] if len(ks) >= 2 else None for rs, ks in zip(rewards, kept)]
     advantages, counts = group_advantages(kept_rewards, scale_by_std=scale_by_std)
-    batch = []
-    for group, ks, adv in zip(groups, kept, advantages):
-        if adv is not None:
-            per_trajectory = dict(zip(ks, adv))
-            batch.append((group, [per_trajectory.get(i) for i in range(len(group.trajectories))]))
+    batch, anchors, tokens, credited = [], [], 0, 0
+    for group, ks, rs, adv in zip(groups, kept, rewards, advantages):
+        if adv is None:
+            continue
+        episode = dict(zip(ks, adv))
+        steps, sizes = step_advantages(group.tree, [rs[i] if i in episode else None
+                                                    for i in range(len(rs))], scale_by_std)
+        anchors += sizes
+        per_token = []
+        for i, t in enumerate(group.trajectories):
+            bounds = [start for start, _ in t.turns] + [len(t.token_ids)]   # turn k: bounds[k]:bounds[k+1]
+            step = [0.0] * bounds[0] + [a for k, a in enumerate(steps[i])
+                                        for _ in range(bounds[k + 1] - bounds[k])]
+            assert len(steps[i]) == len(t.turns) and len(step) == len(t.token_ids), "a value a turn, a token"
+            later = bounds[min(1, len(bounds) - 1)]      # where the second turn starts (the first's A^S is A^E)
+            if i in episode:
+                tokens += sum(t.assistant_mask[later:])
+                credited += sum(m and a != 0 for m, a in zip(t.assistant_mask[later:], step[later:]))
+            per_token.append(None if i not in episode else [episode[i] + step_credit * a for a in step]
+                             if step_credit else episode[i])
+        batch.append((group, per_token))
     counts["non_finite_trajectories"] = sum(len(g.trajectories) - len(ks) for g, ks in zip(groups, kept))
+    counts.update(anchor_states=len(anchors), anchor_trajectories=sum(anchors), credited_tokens=credited,
+                  trained_tokens=tokens)
     return batch, counts
 
 
@@ -130,7 +201,8 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats).
 
     logprobs (B, T) current policy (with grad); old_logprobs (B, T) rollout policy; advantages
-    (B,); mask (B, T) 1 on trained tokens; ref_logprobs (B, T) reference policy, for the KL.
+    (B,), one a trajectory, or (B, T), one a token (step credit); mask (B, T) 1 on trained tokens;
+    ref_logprobs (B, T) reference policy, for the KL.
     num_sequences / num_tokens: the WHOLE step's counts (default: this batch's), so micro-batch
     losses and gradients add up to the step's. stats: means over the trained tokens.
 
@@ -147,10 +219,11 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
     """
     assert aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}"
     assert logprobs.shape == old_logprobs.shape == mask.shape, "shape mismatch"
-    assert advantages.shape == mask.shape[:1], "one advantage per sequence"
+    assert advantages.shape in (mask.shape[:1], mask.shape), "one advantage per sequence, or per token"
     assert kl_coef == 0 or ref_logprobs is not None, "kl_coef > 0 needs ref_logprobs"
     mask = mask.float()
-    adv = advantages.float()[:, None]  # (B, 1): every token of a trajectory shares its advantage
+    adv = advantages.float()  # (B, T), or (B,) when every token of a trajectory shares its advantage:
+    adv = adv[:, None] if adv.dim() == 1 else adv  # (B, 1), broadcast over the tokens
     # Masked positions get log-ratio 0 before exp: prompt tokens have old logprob 0, and exp of a
     # large difference would overflow to inf, and inf * 0 is nan.
     log_ratio = (logprobs - old_logprobs) * mask  # (B, T)
@@ -212,6 +285,11 @@ def normalizer_counts(batch, config):
 
 
 # ---------------------------------------------------------------- 3) one optimizer step
+def _values(advantages):
+    """The advantages of a group's trajectories as numbers: a trajectory's one, or each of its tokens'."""
+    return [v for a in advantages if a is not None for v in (a if isinstance(a, list) else [a])]
+
+
 def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     """Clip the gradient norm and step, unless it is not finite; returns the norm (before clipping).
     The gradients are unscaled first; on an inf/nan nothing is stepped, and an enabled scaler's
@@ -232,7 +310,7 @@ def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, c
     a pass-through unless fp16. Returns floats for logging. Data parallel (parallel.grpo_step):
     `counts` are the whole step's, and `sum_processes(optimizer, numbers)` sums the gradients and
     the numbers over the processes, so that all take the same decision."""
-    assert all(math.isfinite(a) for _, adv in batch for a in adv if a is not None), "non-finite advantage"
+    assert all(math.isfinite(v) for _, adv in batch for v in _values(adv)), "non-finite advantage"
     assert config.kl_coef == 0 or reference_context is not None, "kl_coef > 0 needs a reference_context"
     device = next(model.parameters()).device
     norm = counts or normalizer_counts(batch, config)  # over the WHOLE step (see policy_loss)
@@ -254,8 +332,8 @@ def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, c
             for group, advantages in batch:
                 # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no
                 # gradient, and is in the normalizer already: not forwarded, unless a KL term pulls it.
-                rows = [i for i, (t, a) in enumerate(zip(group.trajectories, advantages))
-                        if a is not None and sum(t.assistant_mask) and (a != 0 or config.kl_coef > 0)]
+                rows = [i for i, (t, a) in enumerate(zip(group.trajectories, advantages)) if a is not None
+                        and sum(t.assistant_mask) and (any(_values([a])) or config.kl_coef > 0)]
                 for part in [rows[k:k + mbs] for k in range(0, len(rows), mbs)]:
                     picked = [group.trajectories[i] for i in part]
                     b = forward.collate(picked, [advantages[i] for i in part], device)

@@ -332,7 +332,7 @@ def make_judge(config, model, tokenizer, device):
         url = kind if "://" in kind else None     # --judge http: $OPENAI_BASE_URL
         name = config.judge_model or os.environ.get("AGENTRL_JUDGE_MODEL") or HTTP_JUDGE
         backend = HTTPBackend(base_url=url, model=name, max_tokens=config.judge_max_tokens,
-                              timeout_s=config.judge_timeout)
+                              timeout_s=60 + config.judge_max_tokens / 10)   # a server writes 10 tokens/s
         if (problem := backend.check()) is not None:
             raise SystemExit(f"judge endpoint unreachable: {problem}\n"
                              f"fix --judge URL, or train with --judge local or none")

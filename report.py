@@ -219,13 +219,16 @@ def render_trajectory(record, messages, number_in_group, judge_number, prefix_le
         if i >= prefix_length:
             parts.append(render_message(message, turn))
     correct, advantage = bool(record.get("correct")), record.get("advantage")
-    known = isinstance(advantage, (int, float))
-    sign = "pos" if known and advantage > 0 else "neg" if known and advantage < 0 else ""
+    per_turn = isinstance(advantage, list)        # with --step-credit: A^E + w * A^S, a turn each
+    known = isinstance(advantage, (int, float)) or per_turn and advantage
+    mean = sum(advantage) / len(advantage) if per_turn and advantage else advantage
+    sign = "pos" if known and mean > 0 else "neg" if known and mean < 0 else ""
     head = [f'<span class="badge">{"correct" if correct else "wrong"}</span> <b>trajectory '
             f'{number_in_group}</b>' + (f" (the judge's {judge_number}: it sees identical trajectories once)"
                                         if judge_number != number_in_group else ""),
             f"reward {number(record.get('reward'))}",
-            f'advantage <span class="{sign}">{number(advantage)}</span>',
+            f'advantage{" by turn" * per_turn} <span class="{sign}">'
+            f'{" ".join(map(number, advantage)) if per_turn else number(advantage)}</span>',
             f"stop: {esc(record.get('stop_reason', '?'))}"]
     score, explanation = record.get("judge_score"), record.get("judge_explanation") or ""
     judged = (f'judge {number(score, 2)}: {esc(explanation) or "(no explanation)"}' if score is not None
@@ -234,6 +237,34 @@ def render_trajectory(record, messages, number_in_group, judge_number, prefix_le
     return (f'<div class="trajectory {"right" if correct else "wrong"}" id="{anchor}">'
             f'<div class="head">{" &middot; ".join(head)}</div><p class="judge">{judged}</p>{"".join(parts)}'
             f'<div class="submitted"><span class="label">submitted</span>{submitted}</div></div>')
+
+
+def render_tree(records, conversations, prefix) -> str:
+    """The group's tree of turns past the messages all share: each turn (the call the model wrote)
+    with the trajectories through it and their mean reward. Where trajectories that took one turn
+    (and got one answer) part, they part from a state they share: where step credit (--step-credit)
+    compares what each did next."""
+    tree = judge.conversation_tree(conversations)
+
+    def mean_reward(rows):
+        rewards = [r for r in (records[i].get("reward") for i in rows) if isinstance(r, (int, float))]
+        return number(sum(rewards) / len(rewards)) if rewards else number(None)
+
+    def turns(node, depth):         # the <li> of the assistant turns below node (depth: its messages so far)
+        items = []
+        for child in node.children:
+            below = turns(child, depth + 1)
+            if child.messages[0]["role"] != "assistant" or depth < prefix:
+                items += below
+                continue
+            items.append(f"<li><code>{esc(child.messages[0]['content'][:100])}</code> &middot; "
+                         f"{len(child.rows)} {'trajectories' if len(child.rows) > 1 else 'trajectory'}, mean "
+                         f"reward {mean_reward(child.rows)}" + (f"<ul>{''.join(below)}</ul>" if below else "")
+                         + "</li>")
+        return items
+
+    return (f'<details class="turns"><summary>the group as a tree of turns (mean reward '
+            f'{mean_reward(tree.rows)})</summary><ul class="tree">{"".join(turns(tree, 0))}</ul></details>')
 
 
 def render_group(records, step, g) -> str:
@@ -256,7 +287,7 @@ def render_group(records, step, g) -> str:
             f'<div class="gold"><span class="label">gold SQL</span>{sql_block(first.get("gold_sql"))}</div>'
             f"<details class=\"prefix\"><summary>shared by all {len(records)} trajectories: "
             f"{prefix} messages, printed once in the judge's prompt</summary>{shared}</details>"
-            f"{trajectories}</section>")
+            f"{render_tree(records, conversations, prefix)}{trajectories}</section>")
 
 
 def render_steps(metrics, trajectories) -> str:
@@ -300,7 +331,8 @@ details.step { border: 1px solid #ccc; border-radius: 4px; margin: 0.5em 0; padd
 details.step > summary { font-weight: 600; cursor: pointer; }
 section.group { border-top: 2px solid #bbb; margin-top: 0.8em; padding-top: 0.5em; }
 .question { font-size: 1.05em; font-style: italic; margin: 0.2em 0; }
-details.prefix { margin: 0.4em 0; } details.prefix > summary { color: #555; cursor: pointer; }
+details.prefix, details.turns { margin: 0.4em 0; }
+details.prefix > summary, details.turns > summary { color: #555; cursor: pointer; }
 .trajectory { border-left: 5px solid #c33; background: #fdf6f6; margin: 0.6em 0; padding: 0.3em 0.8em; }
 .trajectory.right { border-left-color: #2a2; background: #f5fbf5; }
 .badge { color: #fff; background: #c33; border-radius: 3px; padding: 0 6px; font-size: 0.85em; }
@@ -344,7 +376,9 @@ def render(run) -> str:
 <h2>Steps</h2>
 <p class="meta">Each step's groups: one task, several trajectories. reward = judge score + {esc(bonus)}
 &times; correct; advantage = (reward &minus; group mean){std}, the weight the update gave the trajectory's
-tokens (&ndash;: not trained on: its group's rewards were all equal, or the row was cut on non-finite logits).
+tokens (&ndash;: not trained on: its group's rewards were all equal, or the row was cut on non-finite logits);
+with --step-credit, one a turn, plus w times the turn's step advantage (a turn it copied, branched, is
+its parent's to train on).
 Trajectories are numbered in group order, as the judge's prompt numbers them.</p>
 {render_steps(metrics, run['trajectories'])}
 </body>
@@ -460,6 +494,11 @@ def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
         "mixed_group_rate": counts["trainable_groups"] / len(groups),
         "zero_variance_groups": counts["zero_variance_groups"],
         "non_finite_trajectories": counts["non_finite_trajectories"],
+        # the states past the prompt that 2+ trajectories of a trained group share and act from
+        # (grpo.step_advantages), and the share of trained tokens past the first turn they credit
+        "anchor_states": counts["anchor_states"],
+        "anchor_size": counts["anchor_trajectories"] / max(1, counts["anchor_states"]),
+        "step_credit_share": counts["credited_tokens"] / max(1, counts["trained_tokens"]),
         "submitted_groups": len(groups),
         "kept_accuracy": sum(t.correct for t in trajectories) / len(trajectories),   # the groups trained on
         "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
@@ -490,7 +529,10 @@ def step_line(record, steps):
             f"mixed groups {record['mixed_candidates']}/{record['candidate_groups']}, "
             f"{record['trainable_groups']} trained on | kept groups: reward {record['reward_mean']:.2f} ± "
             f"{record['reward_std']:.2f}, accuracy {record['kept_accuracy']:.2f} | every candidate: accuracy "
-            f"{record['train_accuracy']:.2f} | {update}{judged} | {record['time_step']:.0f} s")
+            f"{record['train_accuracy']:.2f} | anchor states {record['anchor_states']} "
+            f"({record['anchor_size']:.1f} trajectories each), step credit on "
+            f"{record['step_credit_share']:.0%} of later turns' tokens | {update}{judged} | "
+            f"{record['time_step']:.0f} s")
 
 
 def write_trajectories(run_dir, step, groups, rewards, results, trained=None):

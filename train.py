@@ -13,8 +13,10 @@ on the held-out splits and checkpoints step 0. One step of the loop (train_step,
     1) tasks             a few train questions, most from the frontier (tasks whose last group
                          came out mixed), the rest by tier, weighted toward ~50% success
     2) rollouts          --group-size trajectories per task, sampled with the current policy
+                         (--branching: half whole, half branched off their states)
     3) reward            reward = judge score + bonus * correct (score_groups)
-    4) advantages        normalized within each group; all-equal groups skipped and counted
+    4) advantages        normalized within each group; all-equal groups skipped and counted;
+                         --step-credit adds each turn's step advantage (grpo.step_advantages)
     5) update            one clipped policy-gradient step on the LoRA only, each group's tree
                          forwarded once (grpo.grpo_step), or the control --update rft: a
                          supervised step on the correct rollouts
@@ -28,6 +30,7 @@ unbroken run would have: the checkpoint holds the step count and the sampler's p
 import argparse
 import errno
 import json
+import math
 import os
 import random
 import shutil
@@ -82,13 +85,14 @@ class Config:
     max_new_tokens: int = knob(128, "sampled tokens per turn")
     max_context: int = knob(2048, "tokens per trajectory, prompt included")
     temperature: float = knob(0.5, "sampling temperature of the rollouts")
+    branching: Literal["none", "uniform", "entropy"] = knob(
+        "none", "half a group sampled whole, half branched off its states after a tool result")
     judge: str = knob("auto", "auto (a server in $OPENAI_*, else GPU: local, CPU: none), local, none, "
                               "http, or a URL")
     judge_model: str | None = knob(None, "local: HF id or folder (None: the policy's); http: name "
                                          f"(None: $AGENTRL_JUDGE_MODEL, {HTTP_JUDGE})")
-    judge_max_tokens: int = knob(1024, "http: tokens the judge may write per reply "
-                                       "(a reasoning judge needs several thousand)")
-    judge_timeout: float = knob(60.0, "http: seconds to wait for one reply")
+    judge_max_tokens: int = knob(1024, "http: tokens a reply may have (a reasoning judge: thousands), "
+                                       "waited 60 s + 0.1 s each")
     rubric: str | None = knob(None, "file with a rubric replacing the default one")
     bonus: float = knob(1.0, "reward added for an execution-correct answer")
     sft_steps: int = knob(48, "supervised steps on gold demonstrations before RL; 0: none")
@@ -99,6 +103,7 @@ class Config:
     loss: Literal["token", "sequence", "constant"] = knob("token", "token: DAPO, sequence: GRPO, "
                                                                    "constant: Dr. GRPO")
     no_std_scaling: bool = knob(False, "advantages not divided by the group std (Dr. GRPO)")
+    step_credit: float = knob(0.0, "w: a turn's advantage is A^E + w * A^S (GiGPO); 0: GRPO")
     clip_low: float = knob(0.2, "ratio clipped below 1 - clip_low")
     clip_high: float = knob(0.28, "ratio clipped above 1 + clip_high (DAPO clip-higher)")
     kl_coef: float = knob(0.0, "k3 KL penalty to the policy RL started from (after SFT, or --adapter)")
@@ -177,11 +182,14 @@ def check(c):
           for name in positive],
         (c.group_size < 2 and not c.eval_only,
          "--group-size must be >= 2: GRPO compares trajectories within a group"),
+        (not math.isfinite(c.step_credit), f"--step-credit must be a number, got {c.step_credit}"),
+        (c.step_credit and c.update == "rft", "--step-credit weighs GRPO's advantages; --update rft has none"),
+        (c.branching != "none" and c.group_size < 4 and not c.eval_only,
+         "--branching rolls half of each group out whole, at least 2: use --group-size >= 4"),
         (not 0 < c.temperature <= 10, "--temperature must be in (0, 10]"),
         (not 0 <= c.eval_processes <= 64, "--eval-processes must be in [0, 64]"),
         (c.judge not in ("auto", "local", "none", "http") and not c.judge.startswith(("http://", "https://")),
          f"--judge {c.judge!r}: auto, local, none, http, or the URL of an OpenAI-compatible server"),
-        (c.judge_timeout <= 0, f"--judge-timeout must be > 0, got {c.judge_timeout}"),
         (c.data != "default" and not os.path.isdir(c.data),
          f"--data {c.data!r}: no such folder (expected 'default' or a Spider/BIRD folder)"),
         (c.adapter and not os.path.isfile(os.path.join(c.adapter, "adapter_config.json")),
@@ -492,9 +500,14 @@ def train_step(config, run, step, task_stats, start_state, score):
     #    are the mixed ones first, up to this process's share of --groups-per-step
     sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank)
     # max_rows: the kept groups' memory
-    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, config.group_size, sampling,
+    #    (--branching: half of each group whole, then the kept groups' other half branched off their states)
+    whole = config.group_size if config.branching == "none" else config.group_size // 2
+    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, whole, sampling,
                                     run.limits, max_rows=config.groups_per_step * config.group_size)
     groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
+    if config.branching != "none":
+        groups = agentrl.branch_groups(run.model, run.tokenizer, groups, config.group_size, sampling,
+                                       run.limits, config.branching)
     t_rollout = time.time() - t0
     pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled])
                   for task, rate in share]
@@ -504,7 +517,7 @@ def train_step(config, run, step, task_stats, start_state, score):
     t_judge = time.time() - t0 - t_rollout
 
     # 4) advantages within each group, attached to the group's trajectories
-    batch, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=not config.no_std_scaling)
+    batch, counts = grpo.batch_from_groups(groups, rewards, not config.no_std_scaling, config.step_credit)
 
     # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
     #    whole step's tokens and the gradients are summed over the processes (parallel.py)
@@ -521,7 +534,8 @@ def train_step(config, run, step, task_stats, start_state, score):
                                reference_context=reference)
     else:
         stats = {"skipped": True, "skip_reason": "no trainable group"}
-    trained = ({id(t): a for g, advs in batch for t, a in zip(g.trajectories, advs)}
+    trained = ({id(t): [a[start] for start, _ in t.turns] if isinstance(a, list) else a  # one a turn
+                for g, advs in batch for t, a in zip(g.trajectories, advs)}
                if config.update == "grpo" else {})
     times = {"time_rollout": t_rollout, "time_judge": t_judge}
     groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(

@@ -9,6 +9,7 @@
     python -m bench update         # one GRPO step on a group: each trajectory alone vs its tree in one forward
     python -m bench eval --adapter runs/default   # greedy evaluation: batching, 2 processes, bf16; the floor
     python -m bench learn          # held-out accuracy, paired: an SFT start, then GRPO, RFT and SFT for the same time
+    python -m bench credit --grpo-steps 4   # GRPO vs step credit, on chains and on branched groups, paired
     python -m bench sweep          # the RL lr and the LoRA rank, chosen on a validation slice of train
     python -m bench pair runs/sft runs/grpo_s0 [runs/grpo_s1]   # evaluations task by task: the difference, its interval
     python -m bench scale          # train.py steps per minute: 1 process vs 2 (torchrun); rollout vs the rest
@@ -16,7 +17,7 @@
     python -m bench gpu            # the GPU check: the 3B shape under a T4's memory, then real training steps
     python -m bench footprint [--baseline DIR]   # whole train.py runs: phase times, summed PSS of every process
 
-`--variants a,b` (update, eval, scale) runs a subset, the first the baseline. learn, sweep, scale and
+`--variants a,b` (update, eval, scale, credit) runs a subset, the first the baseline. learn, sweep, scale and
 allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
 benchmark measures the baseline and ours in the same run and prints them side by side with the
 ratio: the machines are shared and noisy, so only ratios are worth quoting.
@@ -33,6 +34,7 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "update": ("update", "bench_update", "one GRPO step on a group: each trajectory alone vs the tree once; checkpointing"),
     "eval": ("engine", "bench_eval", "greedy evaluation of a held-out split: batching, processes, bf16"),
     "learn": ("learn", "bench_learn", "held-out accuracy, paired: an SFT start, then GRPO, RFT and more SFT"),
+    "credit": ("learn", "bench_credit", "step credit on chains and on branched groups against GRPO, paired"),
     "sweep": ("learn", "bench_sweep", "the RL lr and the LoRA rank, chosen on a validation slice of train"),
     "pair": ("learn", "bench_pair", "evaluations compared task by task: the difference and its interval"),
     "scale": ("update", "bench_scale", "train.py steps per minute: 1 process vs 2 (torchrun)"),
@@ -42,7 +44,7 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "footprint": ("footprint", "bench_footprint", "a whole train.py run's phase times and summed PSS, every process"),
     "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
 }
-TRAIN_FLAGS = {"learn", "sweep", "scale", "allocator", "train-run", "footprint"}   # these pass unknown flags on to train.py
+TRAIN_FLAGS = {"learn", "credit", "sweep", "scale", "allocator", "train-run", "footprint"}   # these pass unknown flags on to train.py
 PUBLIC = " ".join(name for name, (_, _, line) in COMMANDS.items() if line)
 
 OPTIONS = [   # (flag, the commands that take it, argparse keywords)
@@ -56,15 +58,16 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
     ("--cwd", "footprint", dict(default=None, help="the checkout whose train.py runs (default: this one)")),
     ("--baseline", "footprint", dict(default=None, help="a checkout run first, the same flags: the baseline")),
     ("--tokenizer", "gpu memory", dict(default=None, help="3B shape: a tokenizer folder (default: the embedded one)")),
-    ("--eval-size", "learn sweep", dict(type=int, default=0, help="held-out (sweep: val) tasks per split (0: all)")),
-    ("--sft-steps", "learn sweep", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),
-    ("--grpo-steps", "learn sweep", dict(type=int, default=8, help="GRPO and RFT steps (sweep: of each run)")),
-    ("--grpo-seeds", "learn", dict(type=int, default=2, help="GRPO runs, seeds --seed, --seed + 1, ...: their mean")),
+    ("--eval-size", "learn credit sweep", dict(type=int, default=0, help="held-out (sweep: val) tasks per split (0: all)")),
+    ("--sft-steps", "learn credit sweep", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),
+    ("--grpo-steps", "learn credit sweep", dict(type=int, default=8, help="GRPO and RFT steps (sweep: of each run)")),
+    ("--arm-splits", "credit", dict(default="test,test_schema", help="the held-out splits the arms evaluate on")),
+    ("--grpo-seeds", "learn credit", dict(type=int, default=2, help="GRPO runs, seeds --seed, --seed + 1, ...: their mean")),
     ("--pass-tasks", "learn", dict(type=int, default=24, help="tasks per held-out split for the start's pass@k (0: none)")),
     ("--pass-k", "learn", dict(type=int, default=8, help="samples per task for pass@k")),
     ("--sweep-lrs", "sweep", dict(default="1e-4,3e-4,1e-3", help="the RL learning rates, comma-separated")),
     ("--sweep-ranks", "sweep", dict(default="4,16", help="the LoRA ranks, comma-separated")),
-    ("--variants", "update eval scale", dict(default=None, help="a comma-separated subset of the variants (default: all)")),
+    ("--variants", "update eval scale credit", dict(default=None, help="a comma-separated subset of the variants (default: all)")),
     ("--trained-groups", "scale train-run",
      dict(type=int, default=0, help="groups of a step (each process's) the scripted rewards train (0: all)")),
     ("--seed", PUBLIC, dict(type=int, default=0, help="random seed")),

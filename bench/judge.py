@@ -202,7 +202,8 @@ def bench_prompt_tokens(args):
     Each prompt is the full judge chat (system prompt with rubric + serialized group) under the
     chat template, counted with the embedded tokenizer. The tree (the group's, as train.py's judge
     prints it) gives every trajectory its own id, duplicates included, so the dedup that
-    score_group adds does not flatter it.
+    score_group adds does not flatter it. Beside them, groups of the same size that branch
+    (agentrl.branch_groups): their judge prompt and their sampled tokens against the chains'.
     --adapter DIR rolls out a trained policy instead (e.g. the warm start, runs/default/sft).
     """
     num_groups, group_size = 4, 8
@@ -240,6 +241,19 @@ def bench_prompt_tokens(args):
         print(f"{'total':<18} {'':>5} {totals['naive']:>7} {totals['ruler']:>7} {totals['tree']:>7} {ratio:>10.3f}")
         print(f"tree <= ruler on every group: {tree_never_above} | total tree/ruler = {ratio:.3f} "
               f"(target <= 0.80) | tree/naive = {totals['tree'] / totals['naive']:.3f}")
+        # groups that branch (train.py --branching uniform): half whole, half off their states; the same size
+        sampling = agentrl.Sampling(temperature=temperature, seed=args.seed)
+        limits = agentrl.Limits(max_turns=3, max_new_tokens=64)
+        halves = agentrl.rollout_groups(model, tokenizer, tasks, group_size // 2, sampling, limits)
+        branched = agentrl.branch_groups(model, tokenizer, halves, group_size, sampling, limits)
+        tree_tokens = sum(prompt_tokens(g, serializers["tree"]) for g in branched)
+
+        def sampled(groups):
+            return sum(sum(t.assistant_mask) for g in groups for t in g.trajectories) / (len(groups) * group_size)
+        print(f"branched groups of {group_size} ({group_size // 2} whole, the rest branched off their states): "
+              f"judge prompt {tree_tokens} tokens, {tree_tokens / totals['tree']:.3f}x the chains' | sampled "
+              f"tokens per trajectory {sampled(branched):.1f} against {sampled(groups):.1f}, "
+              f"{sampled(branched) / sampled(groups):.3f}x")
 
 
 # ---------------------------------------------------------------- judge-server (judge.py, train.py)

@@ -25,7 +25,7 @@ import evaluate
 import lora
 import sql_env
 import train
-from bench.common import record_mean, run_records
+from bench.common import chosen_variants, record_mean, run_records
 from evaluate import paired_difference, paired_line, split_outcomes
 from files import read_json, read_jsonl
 
@@ -148,13 +148,14 @@ def train_unless_finished(argv):
     """train.py with these arguments, unless a run of exactly these arguments completed in its --out
     from the adapter it starts from as that adapter is now (then it is reused: a benchmark stopped
     part way, or run again, trains only what is missing, and what a retrained start changes). A
-    flag newer than the run, at its default, matches: a new flag's default keeps the old behaviour."""
+    flag newer than the run, at its default, matches: a new flag's default keeps the old behaviour; a
+    flag removed since is left out of the comparison."""
     def as_stored(argv):     # train.py's arguments as its config.json stores them
         return json.loads(json.dumps(asdict(train.parse_args(argv))))
     wanted, defaults = as_stored(argv), as_stored([])
     try:
         config = read_json(os.path.join(wanted["out"], "config.json"))
-        config = {**{k: v for k, v in defaults.items() if k not in config}, **config}
+        config = {**defaults, **{k: v for k, v in config.items() if k in defaults}}
     except (OSError, ValueError, TypeError):
         config = None
     final = os.path.join(wanted["out"], "final", "adapter_model.safetensors")
@@ -298,6 +299,84 @@ def bench_learn(args):
     fig.tight_layout()
     fig.savefig(os.path.join(out, "learn.png"))
     print(f"curves: {os.path.join(out, 'learn.png')} | whole benchmark {(time.perf_counter() - t0) / 60:.0f} min")
+
+
+CREDIT_ARMS = {   # folder of the first seed's run (--variants): (name, train.py flags)
+    "grpo": ("GRPO", []),
+    "credit": ("GRPO + step credit", ["--step-credit", "1"]),
+    "branched": ("GRPO + step credit, branched", ["--step-credit", "1", "--branching", "uniform"]),
+    "entropy": ("GRPO + step credit, entropy", ["--step-credit", "1", "--branching", "entropy"]),
+}
+
+
+def bench_credit(args):
+    """Does credit for the turn that earned it help? Four arms from bench learn's SFT start, the same
+    number of trajectories a step and of steps, --grpo-seeds runs each (seeds --seed, --seed + 1, ...):
+
+        GRPO                           every token of a trajectory gets its episode advantage A^E
+        GRPO + step credit             a turn's tokens get A^E + A^S, the step advantage at the
+                                       states the group's trajectories share (--step-credit 1)
+        GRPO + step credit, branched   the same on groups whose second half branches off the
+                                       first half's states after a tool result (--branching uniform)
+        GRPO + step credit, entropy    the same, the states drawn by the entropy of the turn sampled
+                                       there (ARPO's rule, --branching entropy)
+
+    --variants grpo,credit,... runs a subset. Each arm's runs are paired, task by task on whole held-out
+    splits (--arm-splits: both, or test alone for half the evaluation time; the start is bench learn's,
+    on both), with the start and
+    with the GRPO runs (each task's outcome averaged over an arm's runs: runs_line), with 95% intervals
+    by task and by query template. Per arm also: sampled (decoded) tokens per trajectory, seconds per
+    step and in the rollout, the anchor states a step found and the share of trained tokens they
+    credit. Runs that finished with the same flags are reused (the GRPO runs are bench learn's)."""
+    if args.sft_steps < 1 or args.grpo_steps < 1 or args.grpo_seeds < 1:
+        raise SystemExit("python -m bench credit: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
+    out = os.path.join("runs", "bench_learn")
+    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--eval-processes", "2", "--eval-dtype", "bf16",
+              *args.train_flags]
+    train_unless_finished(["--eval-split", "test,test_schema", *common, "--sft-steps", str(args.sft_steps),
+                           "--steps", "0", "--seed", str(args.seed), "--out", os.path.join(out, "sft")])
+    start = os.path.join(out, "sft", "final")
+    seeds = [args.seed + i for i in range(args.grpo_seeds)]
+    arms = {CREDIT_ARMS[v][0]: (v, CREDIT_ARMS[v][1]) for v in chosen_variants(args, CREDIT_ARMS)}
+    if "GRPO" not in arms:
+        raise SystemExit("--variants: grpo, the baseline, and the arms to set beside it")
+    folders = {name: [folder + (f"_seed{s}" if i else "") for i, s in enumerate(seeds)]
+               for name, (folder, _) in arms.items()}
+    for i, s in enumerate(seeds):              # every arm's first seed, then every arm's second, ...
+        for name, (_, flags) in arms.items():
+            train_unless_finished(["--eval-split", args.arm_splits, *common, "--adapter", start, "--sft-steps", "0",
+                                   "--steps", str(args.grpo_steps), "--seed", str(s),
+                                   "--out", os.path.join(out, folders[name][i]), *flags])
+    finals = {name: [run_records(os.path.join(out, f))[-1] for f in runs] for name, runs in folders.items()}
+    steps = {name: [r for f in runs for r in run_records(os.path.join(out, f)) if "reward_mean" in r]
+             for name, runs in folders.items()}
+    start_record = run_records(os.path.join(out, "sft"))[-1]
+    splits = list(split_outcomes(finals["GRPO"][0]))          # the arms' (--arm-splits), which the start has
+    run = read_json(os.path.join(out, folders["GRPO"][0], "config.json"))
+    print(f"\ncredit: {args.grpo_steps} steps of {run['groups_per_step']} groups x {run['group_size']} from an SFT start "
+          f"of {args.sft_steps} steps, {len(seeds)} seeds an arm; held-out accuracy greedy, each arm the mean of its runs")
+    print(f"{'arm':<30}" + "".join(f"{s + ' acc':>18}" for s in splits)
+          + f"{'sampled tokens':>16}{'s/step':>8}{'rollout s':>10}{'anchors':>9}{'size':>6}{'credited':>10}")
+    print(f"{'SFT start':<30}" + "".join(f"{evaluate.split_metrics(start_record, s)['eval_accuracy']:>18.3f}" for s in splits))
+    for name, records in steps.items():
+        accuracy = [sum(evaluate.split_metrics(r, s)["eval_accuracy"] for r in finals[name]) / len(seeds) for s in splits]
+        trajectories = sum(r["submitted_groups"] for r in records) * run["group_size"]
+        anchors = sum(r.get("anchor_states", 0) for r in records)     # (0 in a run older than step credit)
+        print(f"{name:<30}" + "".join(f"{a:>18.3f}" for a in accuracy)
+              + f"{sum(r['gen_tokens'] for r in records) / trajectories:>16.1f}{record_mean('time_step', records):>8.0f}"
+              f"{record_mean('time_rollout', records):>10.0f}{anchors / len(records):>9.1f}"
+              f"{sum(r.get('anchor_size', 0) * r.get('anchor_states', 0) for r in records) / max(1, anchors):>6.1f}"
+              f"{record_mean('step_credit_share', records):>10.0%}")
+    print("paired (each arm's runs averaged task by task; 95% paired-bootstrap intervals):")
+    for split in splits:
+        templates = task_templates(run["data"], split)
+        grpo = [split_outcomes(r)[split] for r in finals["GRPO"]]
+        grpo_mean = {t: sum(o[t] for o in grpo) / len(grpo) for t in grpo[0]}
+        for name in arms:
+            runs = [split_outcomes(r)[split] for r in finals[name]]
+            print(f"  {split:<12} {name} - SFT start: {runs_line(split_outcomes(start_record)[split], runs, templates)}")
+            if name != "GRPO":
+                print(f"  {split:<12} {name} - GRPO: {runs_line(grpo_mean, runs, templates)}")
 
 
 def bench_sweep(args):

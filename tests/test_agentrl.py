@@ -464,3 +464,43 @@ def test_a_demonstration_does_not_imitate_a_turn_the_tool_refused(smol_tokenizer
     kept = [bool(demo.assistant_mask[i]) for i in starts]
     assert len(starts) == len(sampled_runs(mask)) and sum(demo.assistant_mask) < sum(mask)
     assert kept == [True] * (len(starts) - 2) + [False, True]   # only the refused run_sql turn is cleared
+
+
+# ----------------------------------------------------------------------------- branched groups
+
+@pytest.mark.parametrize("rule", ["uniform", "entropy"])
+def test_branched_rows_go_on_from_a_state_and_train_only_on_what_they_sample(rule, scripted):
+    """branch_groups: each new row starts at a turn boundary of one of the group's trajectories (its
+    tokens, messages and turns up to there, mask 0 on them), samples on from there, and stays exact:
+    its log-probs are a fresh forward's, its tokens the template's rendering of its messages; the
+    tree shares the copied turns, so the branch point is a state two trajectories pass through."""
+    model, tokenizer, groups, _ = scripted("llama", "smol_tokenizer")
+    branched = agentrl.branch_groups(model, tokenizer, groups, 7, agentrl.Sampling(seed=3), LIMITS, rule,
+                                     make_env=FakeEnv)
+    deep = 0
+    for group, before in zip(branched, groups):
+        assert group.trajectories[:4] == before.trajectories and len(group.trajectories) == 7
+        for i, t in enumerate(group.trajectories[4:], start=4):
+            own = t.assistant_mask.index(1) if 1 in t.assistant_mask else len(t.token_ids)
+            j = max(k for k, (start, _) in enumerate(t.turns) if start <= own)   # the turns it was given
+            start, first_message = t.turns[j]
+            parents = [p for p in before.trajectories if p.turns[:j + 1] == t.turns[:j + 1]
+                       and p.token_ids[:start] == t.token_ids[:start] and p.messages[:first_message] == t.messages[:first_message]]
+            assert parents and not any(t.assistant_mask[:start])
+            turns = [m["content"] for m in t.messages[t.turns[0][1]:] if m["role"] == "assistant"]
+            errors = [m["content"] for m in t.messages[t.turns[0][1]:] if m["role"] == "tool"]
+            assert t.num_turns == len(turns) and t.num_tool_calls == sum("<tool_call>" in c for c in turns)
+            assert t.num_tool_errors == sum(c.startswith("Error") for c in errors)     # replayed, then its own
+            reference = full_forward_logprobs(model, t.token_ids)
+            mask = torch.tensor(t.assistant_mask, dtype=torch.bool)
+            recorded = torch.tensor(t.sampled_logprobs)
+            assert (recorded[~mask] == 0).all() and (recorded[mask] - reference[mask]).abs().max() < 1e-4
+            text = tokenizer.decode(t.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
+            assert text == agentrl.render(tokenizer, t.messages, TOOLS, add_generation_prompt=False)
+            if j:       # the state it started from is a node of the tree both it and its parent pass through
+                deep += 1
+                node = group.tree.children[0]
+                for _ in range(j):
+                    node = next(c for c in node.children if i in c.rows)
+                assert i in node.rows and any(p in node.rows for p in range(4))
+    assert deep, "some row branched past the prompt"

@@ -333,6 +333,38 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert "its 2 runs" not in out and "mean of its runs" not in out and "GRPO 1 signal:" in out
 
 
+def test_credit_runs_four_arms_per_seed_from_one_start_and_pairs_them(tiny_model_dir, tmp_path, monkeypatch, capsys):
+    """python -m bench credit end to end on the tiny model: one SFT start; GRPO, step credit, and step credit
+    on groups branched uniformly and by entropy, two seeds each, from the start's adapter with the same steps and group size; a
+    row per arm with its sampled tokens per trajectory, times and anchors; each arm paired with the
+    start, and the two credit arms with GRPO, on both held-out splits. Run again, nothing trains."""
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr("sys.argv", ["bench", "credit", "--sft-steps", "1", "--grpo-steps", "1", "--grpo-seeds", "2",
+                                     "--eval-size", "2", "--model", tiny_model_dir, "--groups-per-step", "1",
+                                     "--group-size", "4", "--max-turns", "4", "--max-new-tokens", "40",
+                                     "--max-context", "1024", "--micro-batch-size", "4"])
+    main()
+    out = capsys.readouterr().out
+    folder = os.path.join("runs", "bench_learn")
+    start = os.path.join(folder, "sft", "final")
+    runs = {arm: read_json(os.path.join(folder, arm, "config.json"))
+            for arm in ("grpo", "grpo_seed1", "credit", "credit_seed1", "branched", "branched_seed1", "entropy", "entropy_seed1")}
+    assert [(c["seed"], c["step_credit"], c["branching"]) for c in runs.values()] == [
+        (0, 0.0, "none"), (1, 0.0, "none"), (0, 1.0, "none"), (1, 1.0, "none"), (0, 1.0, "uniform"), (1, 1.0, "uniform"),
+        (0, 1.0, "entropy"), (1, 1.0, "entropy")]
+    assert all(c["adapter"] == start and (c["steps"], c["group_size"]) == (1, 4) for c in runs.values())
+    rows = re.findall(r"^(SFT start|GRPO(?: \+ step credit)?(?:, branched|, entropy)?) +([\d.]+) +([\d.]+)(?: +([\d.]+) +(\d+) +(\d+) "
+                      r"+([\d.]+) +([\d.]+) +(\d+)%)?$", out, re.M)
+    assert [name for name, *_ in rows] == ["SFT start", "GRPO", "GRPO + step credit", "GRPO + step credit, branched",
+                                           "GRPO + step credit, entropy"], out
+    assert all(float(tokens) > 0 for _, _, _, tokens, *_ in rows[1:]), out
+    for split in ("test", "test_schema"):
+        for pair in ("GRPO - SFT start", "GRPO + step credit - SFT start", "GRPO + step credit - GRPO",
+                     "GRPO + step credit, branched - GRPO", "GRPO + step credit, entropy - GRPO"):
+            assert re.search(rf"^  {split} +{re.escape(pair)}: mean of 2 runs: .* on 2 tasks: .* by template", out, re.M), pair
+    assert_a_rerun_trains_nothing(out, "credit:", "paired (each arm", monkeypatch, capsys)
+
+
 def test_sweep_runs_a_start_per_rank_and_a_run_per_lr_and_picks_on_validation(tiny_model_dir, tmp_path, monkeypatch, capsys):
     """python -m bench sweep end to end on the tiny model: one SFT start per rank, one GRPO run per lr from
     its rank's start, every run evaluated on split val only (so none trains on it); a row per run,
@@ -382,12 +414,13 @@ def test_a_finished_run_is_reused_unless_its_flags_differ(tmp_path, monkeypatch)
     (out / "final" / "adapter_model.safetensors").write_bytes(b"")
     argv = ["--steps", "2", "--out", str(out)]
     config = json.loads(json.dumps(vars(train.parse_args(argv))))
-    del config["judge_timeout"]                     # written before --judge-timeout existed
+    del config["step_credit"]                       # written before --step-credit existed
+    config["judge_timeout"] = 60.0                  # a flag removed since
     (out / "config.json").write_text(json.dumps(config))
     learn.train_unless_finished(argv)
-    learn.train_unless_finished(argv + ["--judge-timeout", "60"])
+    learn.train_unless_finished(argv + ["--step-credit", "0"])
     assert runs == []
-    for other in (["--judge-timeout", "5"], ["--steps", "3"]):
+    for other in (["--step-credit", "1"], ["--steps", "3"]):
         learn.train_unless_finished(argv + other)
     assert len(runs) == 2
 

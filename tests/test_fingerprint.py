@@ -64,27 +64,55 @@ def test_sampled_rollouts_give_the_recorded_tokens(rollout):
     assert token_hash(groups) == EXPECTED["rollout_tokens"]
 
 
-def test_one_grpo_update_gives_the_recorded_loss_gradient_and_adapter(rollout):
-    """One GRPO step on those groups (scripted rewards, each group's tree forwarded once)."""
-    model, groups = rollout
+def grpo_update(model, batch):
+    """One GRPO step on `batch` from the fixture's adapter, perturbed the same way every time, which it
+    restores after: (stats, update_fingerprint, the adapter after the step)."""
     params = lora.lora_parameters(model)
+    initial = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(1)
     with torch.no_grad():
         for p in params:
             p.add_(0.05 * torch.randn(p.shape, generator=g))
-    rewards = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]]
-    batch, counts = grpo.batch_from_groups(groups, rewards)
-    assert counts["trainable_groups"] == 2
     before = [p.detach().clone() for p in params]
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     config = grpo.GRPOConfig(micro_batch_size=4, gradient_checkpointing=True, max_grad_norm=1e9,
                              max_tokens=LIMITS.max_turns * LIMITS.max_new_tokens)
     stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=1e-2), batch, config, scaler)
+    after = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, p0 in zip(params, initial):
+            p.copy_(p0)
+    return stats, update_fingerprint(after, before), after
+
+
+REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]]
+
+
+@pytest.mark.parametrize("step_credit", [0.0, 1.0])
+def test_one_grpo_update_gives_the_recorded_loss_gradient_and_adapter(rollout, step_credit):
+    """One GRPO step on those groups (scripted rewards, each group's tree forwarded once); w = 0 is
+    GRPO, w = 1 adds the step advantage at the state rows 0 and 1 share (after list_tables)."""
+    model, groups = rollout
+    batch, counts = grpo.batch_from_groups(groups, REWARDS, step_credit=step_credit)
+    assert counts["trainable_groups"] == 2 and counts["anchor_states"] == 1
+    stats, fingerprint, _ = grpo_update(model, batch)
     assert not stats["skipped"]
-    expected = EXPECTED["grpo"]
+    expected = EXPECTED["grpo" if step_credit == 0 else "grpo_step_credit"]
     assert stats["loss"] == pytest.approx(expected["loss"], rel=RTOL, abs=1e-6)
     assert stats["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
-    assert update_fingerprint(params, before) == pytest.approx(expected["update"], rel=RTOL)
+    assert fingerprint == pytest.approx(expected["update"], rel=RTOL)
+
+
+def test_advantages_given_per_token_update_bit_for_bit_as_one_per_trajectory(rollout):
+    """The step-credit path (a (B, T) advantage) with every token at its trajectory's A^E is GRPO's
+    update to the last bit: the same products, broadcast or not."""
+    model, groups = rollout
+    batch, _ = grpo.batch_from_groups(groups, REWARDS)
+    per_token = [(g, [None if a is None else [a] * len(t.token_ids) for t, a in zip(g.trajectories, advs)])
+                 for g, advs in batch]
+    _, _, shared = grpo_update(model, batch)
+    _, _, spread = grpo_update(model, per_token)
+    assert all(torch.equal(a, b) for a, b in zip(shared, spread))
 
 
 def test_one_sft_step_gives_the_recorded_loss_gradient_and_adapter(splits, smol_tokenizer):
@@ -110,6 +138,8 @@ EXPECTED = {   # the tokens, losses and gradient norms recorded at levers-v1 (d6
     "rollout_tokens": "edf825bc143bee50",
     "grpo": {"loss": 0.17016447614878416, "grad_norm": 0.3739856779575348,
              "update": (0.003313128753688943, 1.3986523338142919e-05)},
+    "grpo_step_credit": {"loss": 0.35725995898246765, "grad_norm": 0.7338762283325195,   # recorded when
+             "update": (0.006720302738358441, 5.385746214426073e-05)},   # step credit (--step-credit) came
     "sft": {"loss": 12.099386215209961, "grad_norm": 0.6502889394760132,
             "update": (0.0015856163757727373, 4.228756238143175e-07)},
 }

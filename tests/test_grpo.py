@@ -11,6 +11,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import agentrl
 import forward
 import grpo
 import lora
@@ -36,23 +37,65 @@ def test_zero_variance_and_unscored_groups_contribute_nothing_and_are_counted():
     assert counts == {"groups": 3, "trainable_groups": 1, "zero_variance_groups": 1, "unscored_groups": 1}
 
 
+def episode(turns, stop_reason="submitted"):
+    """A trajectory whose prompt is tokens [1, 2] and whose turns are the runs in `turns` (each a
+    sampled call, mask 1, then the tool's answer, mask 0), recorded as the engine records them."""
+    tokens, mask, messages, starts = [1, 2], [0, 0], [{"role": "user", "content": "q"}], []
+    for call, answer in turns:
+        starts.append((len(tokens), len(messages)))
+        tokens, mask = tokens + call + answer, mask + [1] * len(call) + [0] * len(answer)
+        messages += [{"role": "assistant", "content": str(call)}, {"role": "tool", "content": str(answer)}]
+    return agentrl.Trajectory("t", messages, tokens, mask, [0.0] * len(tokens), None, False, stop_reason,
+                              len(turns), len(turns), 0, turns=starts)
+
+
 def test_batch_from_groups_drops_non_finite_rows_before_the_baseline():
     """Rows cut on non-finite logits leave their group before the mean is taken (advantage None); a
     group left with one row is unscored; an all-equal group adds nothing; the rest keep their order."""
     def group(*rows):      # (reward, stop_reason) per trajectory
-        return SimpleNamespace(trajectories=[SimpleNamespace(stop_reason=s, name=f"{r}/{s}") for r, s in rows])
+        return agentrl.make_group(None, [episode([([3], [4])], s) for _, s in rows])
 
     ok, bad = "submitted", "non_finite_logits"
-    groups = [group((1.0, ok), (0.0, ok), (5.0, bad)),      # the 5.0 must not move the baseline
+    rewards = [[1.0, 0.0, 5.0], [1.0, 0.0], [1.0, 1.0], [0.0, 2.0]]   # the 5.0 must not move the baseline
+    groups = [group((1.0, ok), (0.0, ok), (5.0, bad)),
               group((1.0, ok), (0.0, bad)),                 # one row left: unscored
               group((1.0, ok), (1.0, ok)),                  # all equal: no signal
               group((0.0, ok), (2.0, ok))]
-    rewards = [[float(t.name.split("/")[0]) for t in g.trajectories] for g in groups]
     batch, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=False)
     assert [g for g, _ in batch] == [groups[0], groups[3]]
     assert [advantages for _, advantages in batch] == [[0.5, -0.5, None], [-1.0, 1.0]]
     assert counts["non_finite_trajectories"] == 2 and counts["unscored_groups"] == 1
     assert counts["zero_variance_groups"] == 1 and counts["trainable_groups"] == 2
+
+
+def test_step_credit_gives_each_turn_its_episode_and_step_advantage():
+    """--step-credit w: every token of turn k gets A^E + w * A^S(k), A^S read off the group's tree at
+    the state the turn starts from (the docstring's group of four, without std scaling); a state
+    one trajectory reaches gives 0; the copied prompt keeps A^E (mask 0: never trained)."""
+    listing, describe = ([10, 11], [50]), ([12], [51, 52])
+    group = agentrl.make_group(None, [episode([listing, describe, ([20], [60])]),     # r = 1
+                                      episode([listing, describe, ([21, 22], [61])]),  # r = 0
+                                      episode([listing, ([23], [62])]),                # r = 1
+                                      episode([([24, 25, 26], [63])])])                # r = 0
+    rewards = [[1.0, 0.0, 1.0, 0.0]]
+    assert grpo.batch_from_groups([group], rewards, scale_by_std=False)[0][0][1] == [0.5, -0.5, 0.5, -0.5]
+    (_, advantages), = grpo.batch_from_groups([group], rewards, scale_by_std=False, step_credit=0.5)[0]
+    step = {0: [0.5, 1 / 3, 0.5], 1: [-0.5, -2 / 3, -0.5], 2: [0.5, 1 / 3], 3: [-0.5]}
+    for i, (t, a) in enumerate(zip(group.trajectories, advantages)):
+        episode_advantage = [0.5, -0.5, 0.5, -0.5][i]
+        bounds = [s for s, _ in t.turns] + [len(t.token_ids)]
+        expected = [episode_advantage] * bounds[0] + [episode_advantage + 0.5 * step[i][k]
+                                                      for k in range(len(bounds) - 1)
+                                                      for _ in range(bounds[k + 1] - bounds[k])]
+        assert a == pytest.approx(expected)
+    _, counts = grpo.batch_from_groups([group], rewards, step_credit=0.5)
+    assert (counts["anchor_states"], counts["anchor_trajectories"]) == (2, 5)
+    assert counts["credited_tokens"] == counts["trained_tokens"] == 6    # past the first turn: 2 + 3 + 1 + 0
+    # two identical trajectories end at one leaf: a state they share but take no turn from, no anchor
+    twins = agentrl.make_group(None, [episode([listing, ([20], [60])]), episode([listing, ([20], [60])]),
+                                      episode([([24], [63])])])
+    _, counts = grpo.batch_from_groups([twins], [[1.0, 1.0, 0.0]], step_credit=0.5)
+    assert (counts["anchor_states"], counts["anchor_trajectories"]) == (1, 2)
 
 
 def test_worked_examples_in_docstrings():

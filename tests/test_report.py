@@ -66,8 +66,12 @@ class TreeBuilder(HTMLParser):
 
 
 def parse(path):
+    return parse_html(path.read_text(encoding="utf-8"))
+
+
+def parse_html(text):
     builder = TreeBuilder()
-    builder.feed(path.read_text(encoding="utf-8"))
+    builder.feed(text)
     builder.close()
     assert builder.stack == [builder.root], f"left open: {[n.tag for n in builder.stack[1:]]}"
     return builder
@@ -138,6 +142,25 @@ def test_the_shared_prefix_is_shown_once_per_group(tiny_run):
         systems = list(group.find_all(lambda n: has_class("msg")(n) and has_class("system")(n)))
         [prefix] = group.find_all(has_class("prefix"))
         assert len(systems) == 1 and systems[0] in list(prefix.find_all(lambda n: True))
+
+
+def test_each_group_is_drawn_as_its_tree_of_turns_with_mean_rewards():
+    """render_tree: past the shared messages, each turn once with the trajectories through it and
+    their mean reward, the turns taken after it nested below it."""
+    prefix = [{"role": "system", "content": "s"}, {"role": "user", "content": "q"}]
+    listing = [{"role": "assistant", "content": "list"}, {"role": "tool", "content": "t"}]
+    conversations = [prefix + listing + [{"role": "assistant", "content": "run <1>"}],
+                     prefix + listing + [{"role": "assistant", "content": "run 2"}],
+                     prefix + [{"role": "assistant", "content": "other"}]]
+    records = [{"reward": 1.0}, {"reward": 0.0}, {"reward": 0.5}]
+    tree = parse_html(report.render_tree(records, conversations, prefix=2))
+    top = next(tree.root.find_all(lambda n: n.tag == "ul"))          # the outermost
+    items = [n for n in top.children if isinstance(n, Node)]
+    assert [" ".join(n.text().split()) for n in items] == [
+        "list · 2 trajectories, mean reward 0.500"
+        "run <1> · 1 trajectory, mean reward 1.000run 2 · 1 trajectory, mean reward 0.000",
+        "other · 1 trajectory, mean reward 0.500"]
+    assert "mean reward 0.500)" in tree.root.text()
 
 
 def test_untrusted_text_shows_as_text(tiny_run, tmp_path):

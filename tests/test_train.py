@@ -256,15 +256,15 @@ def test_unreachable_judge_endpoint(tiny_model_dir, tmp_path):
 
 
 def test_the_judge_flags_reach_the_backends(tiny_model_dir, tmp_path, tiny_llama, smol_tokenizer, monkeypatch, capsys):
-    """--judge-max-tokens and --judge-timeout reach the http backend, whose URL is --judge itself;
+    """--judge-max-tokens reaches the http backend, with its timeout, and the URL is --judge itself;
     the local judge (which reads probabilities, no token budget) judges with the LoRA switched off."""
     import lora
     cpu = torch.device("cpu")
     monkeypatch.setattr(judge_backends.HTTPBackend, "check", lambda self: None)    # as if it answered
     args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "http://127.0.0.1:9/v1", "--judge-model",
-                                      "m", "--judge-max-tokens", "4096", "--judge-timeout", "300"))
+                                      "m", "--judge-max-tokens", "4000"))
     http = train.make_judge(args, None, None, cpu)
-    assert (http.base_url, http.max_tokens, http.timeout_s) == ("http://127.0.0.1:9/v1", 4096, 300)
+    assert (http.base_url, http.max_tokens, http.timeout_s) == ("http://127.0.0.1:9/v1", 4000, 460)
     args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--judge", "local"))
     lora.apply_lora(tiny_llama, r=2, alpha=4)
     local = train.make_judge(args, tiny_llama, smol_tokenizer, cpu)
@@ -554,15 +554,18 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
 
 def test_the_step_line_shows_the_signal_the_reward_and_the_update():
     """One line a step: mixed groups of those rolled out, the kept groups' reward (mean and spread)
-    beside their accuracy, every candidate's accuracy apart, the clipped share of tokens, whether the
-    update ran (and why not), the judge's agreement where it has one."""
+    beside their accuracy, every candidate's accuracy apart, the anchor states and the share of tokens
+    they credit, the clipped share of tokens, whether the update ran (and why not), the judge's
+    agreement where it has one."""
     record = {"step": 3, "mixed_candidates": 3, "candidate_groups": 4, "trainable_groups": 2, "reward_mean": 0.4375,
               "reward_std": 0.496, "kept_accuracy": 0.4375, "train_accuracy": 0.34375, "skipped": False,
               "clip_frac_low": 0.004,
               "clip_frac_high": 0.008, "judge_agreement": 0.75, "judge_agreement_groups": 2, "time_step": 61.2,
-              "judge_failed_groups": 0, "judge_rescaled_groups": 0, "judge_corrections": 0}
+              "judge_failed_groups": 0, "judge_rescaled_groups": 0, "judge_corrections": 0,
+              "anchor_states": 3, "anchor_size": 2.5, "step_credit_share": 0.6}
     assert report.step_line(record, 4) == ("step 3/4 | mixed groups 3/4, 2 trained on | kept groups: reward 0.44 ± "
-                                          "0.50, accuracy 0.44 | every candidate: accuracy 0.34 | clipped 1.2% of "
+                                          "0.50, accuracy 0.44 | every candidate: accuracy 0.34 | anchor states 3 (2.5 "
+                                          "trajectories each), step credit on 60% of later turns' tokens | clipped 1.2% of "
                                           "tokens | update applied | judge agreement 0.75 (2 groups) | 61 s")
     skipped = {**record, "skipped": True, "skip_reason": "no trainable group", "judge_agreement": None}
     assert "| update skipped (no trainable group) | 61 s" in report.step_line(skipped, 4)
