@@ -327,7 +327,9 @@ def bench_credit(args):
     with the GRPO runs (each task's outcome averaged over an arm's runs: runs_line), with 95% intervals
     by task and by query template. Per arm also: sampled (decoded) tokens per trajectory, seconds per
     step and in the rollout, the anchor states a step found and the share of trained tokens they
-    credit. Runs that finished with the same flags are reused (the GRPO runs are bench learn's)."""
+    credit. An arm's run evaluates one task at its start and end (the start's whole evaluation is the
+    SFT run's), then its final adapter is evaluated on the whole splits (--eval-only, in held_out/):
+    one evaluation an arm instead of two. Runs and evaluations already done are reused."""
     if args.sft_steps < 1 or args.grpo_steps < 1 or args.grpo_seeds < 1:
         raise SystemExit("python -m bench credit: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
     out = os.path.join("runs", "bench_learn")
@@ -344,20 +346,32 @@ def bench_credit(args):
                for name, (folder, _) in arms.items()}
     for i, s in enumerate(seeds):              # every arm's first seed, then every arm's second, ...
         for name, (_, flags) in arms.items():
-            train_unless_finished(["--eval-split", args.arm_splits, *common, "--adapter", start, "--sft-steps", "0",
-                                   "--steps", str(args.grpo_steps), "--seed", str(s),
-                                   "--out", os.path.join(out, folders[name][i]), *flags])
-    finals = {name: [run_records(os.path.join(out, f))[-1] for f in runs] for name, runs in folders.items()}
+            # the steps, with one task evaluated (the start's evaluation is the SFT run's), then the whole splits
+            folder = os.path.join(out, folders[name][i])
+            train_unless_finished([*common, "--eval-split", "test", "--eval-size", "1", "--adapter", start,
+                                   "--sft-steps", "0", "--steps", str(args.grpo_steps), "--seed", str(s),
+                                   "--out", folder, *flags])
+            held_out, final = os.path.join(folder, "held_out"), os.path.join(folder, "final")
+            done = os.path.join(held_out, "eval_only.json")
+            if not os.path.isfile(done) or os.path.getmtime(done) < os.path.getmtime(final):
+                train.main([*common, "--eval-only", "--adapter", final, "--eval-split", args.arm_splits,
+                            "--out", held_out])
+    finals = {name: [evaluation_record(os.path.join(out, f, "held_out")) for f in runs] for name, runs in folders.items()}
     steps = {name: [r for f in runs for r in run_records(os.path.join(out, f)) if "reward_mean" in r]
              for name, runs in folders.items()}
-    start_record = run_records(os.path.join(out, "sft"))[-1]
-    splits = list(split_outcomes(finals["GRPO"][0]))          # the arms' (--arm-splits), which the start has
+    splits = list(split_outcomes(finals["GRPO"][0]))          # the arms' (--arm-splits)
+    # the start's outcomes: its evaluation, or the episodes of one stopped part way (evals/sft_<split>.jsonl)
+    evaluated = [split_outcomes(r) for r in run_records(os.path.join(out, "sft")) if "eval_outcomes" in r]
+    episodes = {s: os.path.join(out, "sft", "evals", f"sft_{s}.jsonl") for s in splits}
+    start_outcomes = evaluated[-1] if evaluated else {s: {e["task_id"]: int(e["correct"]) for e in read_jsonl(path)}
+                                             for s, path in episodes.items() if os.path.isfile(path)}
     run = read_json(os.path.join(out, folders["GRPO"][0], "config.json"))
     print(f"\ncredit: {args.grpo_steps} steps of {run['groups_per_step']} groups x {run['group_size']} from an SFT start "
           f"of {args.sft_steps} steps, {len(seeds)} seeds an arm; held-out accuracy greedy, each arm the mean of its runs")
     print(f"{'arm':<30}" + "".join(f"{s + ' acc':>18}" for s in splits)
           + f"{'sampled tokens':>16}{'s/step':>8}{'rollout s':>10}{'anchors':>9}{'size':>6}{'credited':>10}")
-    print(f"{'SFT start':<30}" + "".join(f"{evaluate.split_metrics(start_record, s)['eval_accuracy']:>18.3f}" for s in splits))
+    if all(s in start_outcomes for s in splits):
+        print(f"{'SFT start':<30}" + "".join(f"{sum(start_outcomes[s].values()) / len(start_outcomes[s]):>18.3f}" for s in splits))
     for name, records in steps.items():
         accuracy = [sum(evaluate.split_metrics(r, s)["eval_accuracy"] for r in finals[name]) / len(seeds) for s in splits]
         trajectories = sum(r["submitted_groups"] for r in records) * run["group_size"]
@@ -374,7 +388,8 @@ def bench_credit(args):
         grpo_mean = {t: sum(o[t] for o in grpo) / len(grpo) for t in grpo[0]}
         for name in arms:
             runs = [split_outcomes(r)[split] for r in finals[name]]
-            print(f"  {split:<12} {name} - SFT start: {runs_line(split_outcomes(start_record)[split], runs, templates)}")
+            if split in start_outcomes:
+                print(f"  {split:<12} {name} - SFT start: {runs_line(start_outcomes[split], runs, templates)}")
             if name != "GRPO":
                 print(f"  {split:<12} {name} - GRPO: {runs_line(grpo_mean, runs, templates)}")
 
