@@ -416,7 +416,8 @@ def _go_to(row, trajectory, k, tokenizer):
     row.turns = list(trajectory.turns[:k + 1])
 
 
-def branch_groups(model, tokenizer, groups, n, sampling, limits, rule="uniform", max_rows=None, make_env=None):
+def branch_groups(model, tokenizer, groups, n, sampling, limits, rule="uniform", max_rows=None,
+                  make_env=None):
     """Groups that branch at turn boundaries (Tree-GRPO, arXiv:2509.21240): each group, rolled out
     whole, gets new rows up to n that go on from one of its states right after a tool result
     (`_go_to`), sampled from there; a group with no such state gets rows from the prompt. The state is

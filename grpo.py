@@ -107,8 +107,9 @@ def step_advantages(tree, returns, scale_by_std=True, eps=1e-6):
     there is its return minus the mean return through the state (over their std unless
     scale_by_std=False); at a state seen once it is 0. returns: one float per trajectory, None for
     one left out. steps[i]: one float per turn of trajectory i; anchors: the sizes of the shared
-    states past the prompt that a turn is taken from. The return is the episode's reward, undiscounted: the reward comes once,
-    at the end, and a discount would favour short episodes, which correctness does not ask for.
+    states past the prompt that a turn is taken from. The return is the episode's reward,
+    undiscounted: the reward comes once, at the end, and a discount would favour short episodes,
+    which correctness does not ask for.
     The prompt is a state every trajectory shares, so the first turn's A^S is GRPO's A^E.
 
     Four trajectories, rewards 1, 0, 1, 0 (no std scaling): all four share the prompt (mean 0.5),
@@ -176,7 +177,7 @@ def batch_from_groups(groups, rewards, scale_by_std=True, step_credit=0.0):
             step = [0.0] * bounds[0] + [a for k, a in enumerate(steps[i])
                                         for _ in range(bounds[k + 1] - bounds[k])]
             assert len(steps[i]) == len(t.turns) and len(step) == len(t.token_ids), "a value a turn, a token"
-            later = bounds[min(1, len(bounds) - 1)]      # where the second turn starts (the first's A^S is A^E)
+            later = bounds[min(1, len(bounds) - 1)]   # where the second turn starts (the first's A^S is A^E)
             if i in episode:
                 tokens += sum(t.assistant_mask[later:])
                 credited += sum(m and a != 0 for m, a in zip(t.assistant_mask[later:], step[later:]))

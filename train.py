@@ -183,7 +183,7 @@ def check(c):
         (c.group_size < 2 and not c.eval_only,
          "--group-size must be >= 2: GRPO compares trajectories within a group"),
         (not math.isfinite(c.step_credit), f"--step-credit must be a number, got {c.step_credit}"),
-        (c.step_credit and c.update == "rft", "--step-credit weighs GRPO's advantages; --update rft has none"),
+        (c.step_credit and c.update == "rft", "--step-credit weighs GRPO's advantages; rft has none"),
         (c.branching != "none" and c.group_size < 4 and not c.eval_only,
          "--branching rolls half of each group out whole, at least 2: use --group-size >= 4"),
         (not 0 < c.temperature <= 10, "--temperature must be in (0, 10]"),
