@@ -99,7 +99,7 @@ def group_advantages(rewards, scale_by_std=True, eps=1e-6):
     return advantages, counts
 
 
-def step_advantages(tree, returns, scale_by_std=True, eps=1e-6):
+def step_advantages(tree, returns, scale_by_std=True):
     """Per-turn step advantages read off a group's tree (GiGPO's A^S, Feng et al. 2025, arXiv:2505.10978):
     returns (steps, anchors). A node's end is a state (the same tokens up to the start of an
     assistant turn: the same calls, the same tool results) and its children the turns taken from
@@ -131,11 +131,11 @@ def step_advantages(tree, returns, scale_by_std=True, eps=1e-6):
 
     def visit(state, past_prompt):
         through = [i for i in state.rows if returns[i] is not None]
-        r = torch.tensor([returns[i] for i in through], dtype=torch.float64)
-        shared = len(through) >= 2 and r.std() > eps      # (and with one trajectory, no std to take)
-        a = (r - r.mean()) / (r.std() if scale_by_std else 1) if shared else torch.zeros(len(through))
+        # the group's rule among the trajectories through the state (None: seen once, or all equal)
+        [a], _ = group_advantages([[returns[i] for i in through] if len(through) >= 2 else None],
+                                  scale_by_std)
         anchors.extend([len(through)] * (past_prompt and len(through) >= 2 and bool(state.children)))
-        advantage = dict(zip(through, a.tolist()))
+        advantage = dict(zip(through, a or []))
         for turn in state.children:
             for i in turn.rows:
                 steps[i].append(advantage.get(i, 0.0))
