@@ -98,6 +98,40 @@ def test_step_credit_gives_each_turn_its_episode_and_step_advantage():
     assert (counts["anchor_states"], counts["anchor_trajectories"]) == (1, 2)
 
 
+def test_step_credit_ranks_the_better_branch_where_the_episode_advantage_cannot():
+    """A scripted policy with known pass rates: in a group of 8, four rows fail their first call
+    (r = 0); four list the tables, then describe the right table (passes 90%) or a wrong one (40%).
+    The wrong describe still beats the group's mean, so GRPO's A^E pushes it up; at the state after
+    list_tables, A^S compares it with the right describe alone, and pushes it down."""
+    import random
+    rng = random.Random(0)
+    credit = {"right": [], "wrong": []}                  # (A^E, A^S) of each describe turn
+    for _ in range(400):
+        trajectories, rewards, branches = [], [], []
+        for row in range(8):
+            if row < 4:
+                trajectories.append(episode([([30 + row], [70])]))
+                rewards.append(0.0)
+                continue
+            branch = rng.choice(["right", "wrong"])
+            describe = ([12], [51]) if branch == "right" else ([13], [52])
+            trajectories.append(episode([([10, 11], [50]), describe, ([20 + row], [60])]))
+            rewards.append(float(rng.random() < (0.9 if branch == "right" else 0.4)))
+            branches.append(branch)
+        group = agentrl.make_group(None, trajectories)
+        [episode_advantages], _ = grpo.group_advantages([rewards], scale_by_std=False)
+        steps, _ = grpo.step_advantages(group.tree, rewards, scale_by_std=False)
+        for branch, a, s in zip(branches, (episode_advantages or [0.0] * 8)[4:], steps[4:]):
+            credit[branch].append((a, s[1]))              # s[1]: the describe turn, from the listed state
+    (right_e, right_s), (wrong_e, wrong_s) = ([sum(c) / len(pairs) for c in zip(*pairs)]
+                                              for pairs in (credit["right"], credit["wrong"]))
+    # expected for a listed row i, the other three passing 0.65 on average: A^E = r_i - mean of 8 =
+    # 7/8 E[r_i] - 3/8 0.65: right +0.54, wrong +0.11; A^S = r_i - mean of the 4 listed =
+    # 3/4 E[r_i] - 3/4 0.65: right +0.19, wrong -0.19
+    assert wrong_e > 0.05 and wrong_s < -0.1 < 0.1 < right_s
+    assert right_e + right_s - (wrong_e + wrong_s) > 1.5 * (right_e - wrong_e)   # expected 0.86 vs 0.43
+
+
 def test_worked_examples_in_docstrings():
     """The `>>>` examples in grpo.py (advantages and the clipped loss, by hand) hold."""
     import doctest
