@@ -499,15 +499,16 @@ def train_step(config, run, step, task_stats, start_state, score):
     # 2) rollouts, seeded by step and process (in one process, by the step's seed); the groups kept
     #    are the mixed ones first, up to this process's share of --groups-per-step
     sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank)
-    # max_rows: the kept groups' memory
-    #    (--branching: half of each group whole, then the kept groups' other half branched off their states)
+    # max_rows: the kept groups' memory. --branching: half of each candidate whole, the other half
+    #    branched off its states, then the kept groups chosen, as without, on all --group-size rows
     whole = config.group_size if config.branching == "none" else config.group_size // 2
-    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, whole, sampling,
-                                    run.limits, max_rows=config.groups_per_step * config.group_size)
-    groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
+    max_rows = config.groups_per_step * config.group_size
+    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, whole, sampling, run.limits,
+                                    max_rows=max_rows)
     if config.branching != "none":
-        groups = agentrl.branch_groups(run.model, run.tokenizer, groups, config.group_size, sampling,
-                                       run.limits, config.branching)
+        rolled = agentrl.branch_groups(run.model, run.tokenizer, rolled, config.group_size, sampling,
+                                       run.limits, config.branching, max_rows=max_rows)
+    groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
     t_rollout = time.time() - t0
     pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled])
                   for task, rate in share]

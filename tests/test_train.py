@@ -112,6 +112,27 @@ def test_rows_cut_on_non_finite_logits_stay_out_of_the_update(tiny_model_dir, tm
     assert len(batches) == 1 and len(batches[0]) == 2 and "non_finite_logits" not in batches[0]
 
 
+def test_branching_grows_every_candidate_before_the_mixed_groups_are_chosen(tiny_model_dir, tmp_path,
+                                                                           scripted_judge, monkeypatch):
+    """--branching: each candidate is rolled out half whole, then branched up to --group-size, and
+    only then are the groups to train on chosen, on all their rows, as without branching."""
+    real_branch, real_mixed, seen = train.agentrl.branch_groups, train.mixed_first, {}
+
+    def branch(model, tokenizer, groups, n, *args, **kw):
+        seen["branched"] = [(len(g.trajectories), n) for g in groups]
+        return real_branch(model, tokenizer, groups, n, *args, **kw)
+
+    def mixed(groups, k):
+        seen["chosen from"] = [len(g.trajectories) for g in groups]
+        return real_mixed(groups, k)
+
+    monkeypatch.setattr(train.agentrl, "branch_groups", branch)
+    monkeypatch.setattr(train, "mixed_first", mixed)
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--group-size", "4",
+                         "--branching", "uniform"))
+    assert seen == {"branched": [(2, 4)] * train.CANDIDATES * 2, "chosen from": [4] * train.CANDIDATES * 2}
+
+
 def test_kill_and_resume_equals_uninterrupted(tiny_model_dir, tmp_path, scripted_judge):
     """A run stopped after step 1 and resumed must end with exactly the adapter of an unbroken run."""
     straight, broken = tmp_path / "straight", tmp_path / "broken"
