@@ -478,7 +478,8 @@ def append_jsonl(path, record):
 
 def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
     """One step's metrics, the record in metrics.jsonl (step_line prints the gist). groups and
-    rewards: the groups kept for the update; pass_rates: every rolled-out group's [(task, rate)];
+    rewards: the groups kept for the update; pass_rates: every rolled-out group's [(task, rate)]
+    (with --branching over all its rows, the branched ones included, as the choice of groups reads it);
     counts: from grpo.batch_from_groups; stats: from the update; extra: judge failures and times."""
     trajectories = [t for g in groups for t in g.trajectories]
     flat_rewards = [r for rs in rewards for r in rs]

@@ -98,7 +98,7 @@ def test_step_credit_gives_each_turn_its_episode_and_step_advantage():
     assert (counts["anchor_states"], counts["anchor_trajectories"]) == (1, 2)
 
 
-def test_step_credit_ranks_the_better_branch_where_the_episode_advantage_cannot():
+def test_step_credit_pushes_the_worse_branch_down_where_the_episode_advantage_cannot():
     """A scripted policy with known pass rates: in a group of 8, four rows fail their first call
     (r = 0); four list the tables, then describe the right table (passes 90%) or a wrong one (40%).
     The wrong describe still beats the group's mean, so GRPO's A^E pushes it up; at the state after
@@ -129,7 +129,7 @@ def test_step_credit_ranks_the_better_branch_where_the_episode_advantage_cannot(
     # 7/8 E[r_i] - 3/8 0.65: right +0.54, wrong +0.11; A^S = r_i - mean of the 4 listed =
     # 3/4 E[r_i] - 3/4 0.65: right +0.19, wrong -0.19
     assert wrong_e > 0.05 and wrong_s < -0.1 < 0.1 < right_s
-    assert right_e + right_s - (wrong_e + wrong_s) > 1.5 * (right_e - wrong_e)   # expected 0.86 vs 0.43
+    assert right_e + right_s - (wrong_e + wrong_s) > 1.5 * (right_e - wrong_e)   # expected 0.81 vs 0.65
 
 
 def test_worked_examples_in_docstrings():

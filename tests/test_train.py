@@ -130,7 +130,8 @@ def test_branching_grows_every_candidate_before_the_mixed_groups_are_chosen(tiny
     monkeypatch.setattr(train, "mixed_first", mixed)
     train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--group-size", "4",
                          "--branching", "uniform"))
-    assert seen == {"branched": [(2, 4)] * train.CANDIDATES * 2, "chosen from": [4] * train.CANDIDATES * 2}
+    candidates = train.CANDIDATES * 2                  # a step's candidates: CANDIDATES a group to train on
+    assert seen == {"branched": [(2, 4)] * candidates, "chosen from": [4] * candidates}
 
 
 def test_kill_and_resume_equals_uninterrupted(tiny_model_dir, tmp_path, scripted_judge):
