@@ -255,7 +255,7 @@ def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(
 
 @torch.no_grad()
 def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, max_rows=None, starts=None) -> list[TrajectoryGroup]:
+                   make_env=None, forced_turns=None, max_rows=None, rows=None) -> list[TrajectoryGroup]:
     """N trajectories for each task, decoded in one batch (the steps in the module docstring): one
     TrajectoryGroup per task, in task order, with its tree. The same seed gives the same trajectories.
 
@@ -265,8 +265,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         row g*n + j) emits at the start of turn k instead of sampling; its log-probs are the model's.
     max_rows: at most this many rows decode at once (default: all G*N); the others join at flushes,
         in task order, in the places of finished rows (continuous batching).
-    starts: starts[r] = (trajectory, k): row r goes on from that trajectory's state after k turns
-        (k = 0: the prompt) instead of starting afresh (branch_groups)."""
+    rows: the rows to go on from, _start_rows' (branch_groups moves some on first); default, the prompts."""
     if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
         return []
     was_training, device = model.training, model.device
@@ -278,7 +277,7 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
     with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py)
         # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
-        rows = _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv, forced_turns, starts)
+        rows = rows or _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv, forced_turns)
         prompts = [row.token_ids for row in rows]
         prefix = KVCache(model.config)
         prefix_len = common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
@@ -374,10 +373,10 @@ def _distinct_histories(rows):
     return firsts, which
 
 
-def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns, starts):
+def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns=None):
     """The rows of a rollout, task-major (task g, sample j is row g*n + j), each with its own
     environment and the task's prompt: system prompt with the tools, the demonstration, the
-    question, through the chat template; a row with a start goes on from there (_go_to)."""
+    question, through the chat template."""
     rows = []
     inline_tools = not template_takes_tools(tokenizer)
     for task in tasks:
@@ -391,8 +390,6 @@ def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns, starts):
             row = _Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
                        [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
                        text_len=len(decode(tokenizer, prompt)), turns=[(len(prompt), len(messages))])
-            if starts and starts[len(rows)][1]:
-                _go_to(row, *starts[len(rows)], tokenizer)
             rows.append(row)
     return rows
 
@@ -438,9 +435,13 @@ def branch_groups(model, tokenizer, groups, n, sampling, limits, rule="uniform",
             continue
         entropy = [-sum(t.sampled_logprobs[t.turns[k][0]:][:8]) / 8 + 1e-6 for t, k in states]
         starts += rng.choices(states, weights=entropy if rule == "entropy" else None, k=more)
+    tasks = [g.task for g in groups]
+    rows = _start_rows(tasks, more, tokenizer, limits, make_env or SQLEnv)
+    for row, (trajectory, k) in zip(rows, starts):
+        if k:
+            _go_to(row, trajectory, k, tokenizer)
     sampling = replace(sampling, seed=sampling.seed + 2**32)      # a stream no other rollout's seed gives
-    branched = rollout_groups(model, tokenizer, [g.task for g in groups], more, sampling, limits,
-                              make_env=make_env, max_rows=max_rows, starts=starts)
+    branched = rollout_groups(model, tokenizer, tasks, more, sampling, limits, max_rows=max_rows, rows=rows)
     return [make_group(g.task, g.trajectories + b.trajectories) for g, b in zip(groups, branched)]
 
 
