@@ -16,6 +16,7 @@
     python -m bench allocator      # a short run's peak memory and phase times: activations kept vs recomputed
     python -m bench gpu            # the GPU check: the 3B shape under a T4's memory, then real training steps
     python -m bench footprint [--baseline DIR]   # whole train.py runs: phase times, summed PSS of every process
+    python -m bench accelerations --adapter DIR  # one default GRPO step with each acceleration taken out in turn
 
 `--variants a,b` (update, eval, scale, credit) runs a subset, the first the baseline. learn, sweep, scale and
 allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
@@ -42,6 +43,8 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "gpu": ("fit3b", "bench_gpu", "the GPU check: the 3B shape under a T4's memory, then real training steps"),
     "reading": ("reading", "bench_reading", "the lines one GRPO step reads, helpers included: README's table"),
     "footprint": ("footprint", "bench_footprint", "a whole train.py run's phase times and summed PSS, every process"),
+    "accelerations": ("accelerations", "bench_accelerations",
+                      "one default GRPO step with each acceleration taken out in turn: its gain"),
     "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
 }
 TRAIN_FLAGS = {"learn", "credit", "sweep", "scale", "allocator", "train-run", "footprint"}   # these pass unknown flags on to train.py
@@ -51,7 +54,8 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
     ("paths", "pair", dict(nargs="*", help="evaluations, before and then after (run or --eval-only folders)")),
     ("--shape", "memory", dict(choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                                help="the embedded model, or the Qwen2.5-3B shape, random weights (the T4 fit)")),
-    ("--adapter", "rollout judge judge-server eval scale",
+    ("--model", "accelerations", dict(default=None, help="HF id or folder (default: the embedded model)")),
+    ("--adapter", "rollout judge judge-server eval scale accelerations",
      dict(default=None, help="the embedded model with this saved adapter (or run folder)")),
     ("--split", "eval", dict(default="test", help="the held-out split to evaluate")),
     ("--tasks", "eval", dict(type=int, default=0, help="the split's first N tasks (0: all)")),
@@ -67,7 +71,7 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
     ("--pass-k", "learn", dict(type=int, default=8, help="samples per task for pass@k")),
     ("--sweep-lrs", "sweep", dict(default="1e-4,3e-4,1e-3", help="the RL learning rates, comma-separated")),
     ("--sweep-ranks", "sweep", dict(default="4,16", help="the LoRA ranks, comma-separated")),
-    ("--variants", "update eval scale credit", dict(default=None, help="a comma-separated subset of the variants (default: all)")),
+    ("--variants", "update eval scale credit accelerations", dict(default=None, help="a comma-separated subset of the variants (default: all)")),
     ("--trained-groups", "scale train-run",
      dict(type=int, default=0, help="groups of a step (each process's) the scripted rewards train (0: all)")),
     ("--seed", PUBLIC, dict(type=int, default=0, help="random seed")),

@@ -14,7 +14,7 @@ import pytest
 
 import train
 import evaluate
-from bench import common, engine, learn, update
+from bench import accelerations, common, engine, learn, update
 from bench.__main__ import main
 from files import read_json, read_jsonl
 
@@ -238,6 +238,31 @@ def test_allocator_bench_runs_both_ways_and_prints_their_ratio(tiny_model_dir, t
     assert [c["grad_checkpointing"] for c in configs] == [False, True]
     for name in names[1:]:
         assert re.search(rf"{re.escape(name)} / all kept: peak [\d.]+x \| run time [\d.]+x", out), out
+
+
+def test_accelerations_bench_takes_each_one_out_and_puts_it_back(tiny_model_dir, monkeypatch, capsys):
+    """python -m bench accelerations end to end on the tiny model: the baseline rolls out first and
+    last, each acceleration is taken out for its own row only (the core's names are the originals
+    after), and taking out the prompts' prefix or the rows fed once feeds the engine more tokens."""
+    import agentrl
+    import forward
+    import lora
+    originals = [agentrl.common_prefix_length, agentrl._distinct_histories, agentrl.pack_left, lora.lora_merged,
+                 forward.tree_logprobs]
+    monkeypatch.setattr(accelerations, "STEP", dict(accelerations.STEP, tasks=2, group=2, kept=1, max_turns=2,
+                                                    max_new_tokens=4))
+    monkeypatch.setattr("sys.argv", ["bench", "accelerations", "--model", tiny_model_dir])
+    main()
+    out = capsys.readouterr().out
+    rows = {name.strip(): (part, fed, float(gain)) for name, part, fed, gain in re.findall(
+        r"^(.{32}) *(both|rollout|update) +(\d+|-) +\S+ +[\d.]+s +[\d.]+x +[\d.]+s +([\d.]+)x", out, re.M)}
+    assert list(rows) == list(accelerations.TAKEN_OUT), out
+    assert rows["all on"][2] == 1.0 and re.search(r"rollout [\d.]+ and [\d.]+ s", out), out
+    fed = int(rows["all on"][1])
+    assert int(rows["prompts' common prefix once"][1]) > fed and int(rows["rows that agree fed once"][1]) > fed, out
+    assert all(rows[name][1] == "-" for name in rows if rows[name][0] == "update"), out
+    assert [agentrl.common_prefix_length, agentrl._distinct_histories, agentrl.pack_left, lora.lora_merged,
+            forward.tree_logprobs] == originals
 
 
 def test_scale_bench_times_one_process_and_two(tiny_model_dir, tmp_path, monkeypatch, capsys):
