@@ -13,8 +13,11 @@ Top to bottom:
 1. The sandbox. Agent SQL is hostile input. `run_query` opens the file read-only (URI `mode=ro`,
    `PRAGMA query_only`), lets an authorizer allow only reads (no writes, DDL, ATTACH,
    transactions, state-changing PRAGMA, load_extension), relies on SQLite's compiler to refuse a
-   second statement, stops runaway queries at a deadline, and caps value length, row count and
-   result size. No regex looks at agent SQL. `tables_read` asks the same authorizer which tables
+   second statement, caps value length, row count and result size, and stops runaway queries at a
+   deadline: the statement runs in a small worker process, whose progress handler stops most of
+   them and which is killed when one built-in call runs on past the deadline (SQLite consults the
+   handler only between instructions, and one LIKE over a long string runs for seconds inside
+   one). No regex looks at agent SQL. `tables_read` asks the same authorizer which tables
    a query reads, without running it.
 2. Scoring. Results compare as multisets (as lists when the gold SQL has ORDER BY), columns in
    any order, numbers to 10 significant digits, NULL equal to NULL; a query that fails or times
@@ -30,15 +33,23 @@ Top to bottom:
 Simplifications, and why they are safe: the question set is templated, so its language is narrow
 (a teaching set, not a benchmark: use Spider or BIRD for claims); whether order matters is decided
 by "ORDER BY" appearing anywhere in the gold SQL, as Spider's evaluator does; the tiers of
-Spider/BIRD questions without a label are estimated from the gold SQL.
+Spider/BIRD questions without a label are estimated from the gold SQL; a process has one query
+worker, used by one thread at a time (the rollout calls tools one after another; a process forked
+from it starts a worker of its own).
 """
 import functools
 import itertools
 import json
+import multiprocessing.connection
+import multiprocessing.util
 import os
+import pickle
 import random
 import re
+import signal
 import sqlite3
+import subprocess
+import sys
 import time
 from collections import Counter
 from dataclasses import dataclass
@@ -87,11 +98,13 @@ def _connect(db_path):
     """A read-only connection: the file is opened with mode=ro, and query_only is set on top."""
     if not os.path.isfile(db_path):
         raise SQLError(f"no database file at {db_path}")
-    con = sqlite3.connect(Path(db_path).resolve().as_uri() + "?mode=ro", uri=True)
+    con = None
     try:
+        con = sqlite3.connect(Path(db_path).resolve().as_uri() + "?mode=ro", uri=True)
         con.execute("PRAGMA query_only = ON")
-    except sqlite3.Error as e:
-        con.close()
+    except sqlite3.Error as e:     # not readable, not a database
+        if con is not None:
+            con.close()
         raise SQLError(f"cannot open the database {db_path}: {e}") from None
     return con
 
@@ -100,9 +113,35 @@ def run_query(db_path, sql, timeout_s=2.0, max_rows=1000, max_bytes=MAX_RESULT_B
     """Run one read-only statement in the sandbox; return (column names, rows) or raise SQLError.
 
     A result over `max_rows` rows or `max_bytes` bytes is an error, never silently truncated:
-    a cut result scored against the gold would look wrong (or right) for the wrong reason."""
+    a cut result scored against the gold would look wrong (or right) for the wrong reason.
+    The statement runs in this process's worker (`_execute` there); a worker that has not answered
+    `_WORKER_MARGIN_S` past the deadline is killed, and the next query starts a new one."""
     if not isinstance(sql, str) or not sql.strip():
         raise SQLError("the query is empty")
+    worker, reply, late = _worker_process(), None, False
+    try:   # the worker keeps the cwd it started in: send an absolute path
+        pickle.dump((os.path.abspath(db_path), sql, timeout_s, max_rows, max_bytes), worker.stdin)
+        worker.stdin.flush()
+        late = not multiprocessing.connection.wait([worker.stdout], timeout_s + _WORKER_MARGIN_S)
+        reply = None if late else pickle.load(worker.stdout)
+    except (OSError, EOFError, pickle.UnpicklingError):
+        pass                                # it died: killed from outside, or crashed
+    finally:
+        if reply is None:                   # late, dead, or this process interrupted: a worker that
+            _stop_worker()                  # may still answer must never answer the next query
+    if late:
+        raise SQLError(f"the query ran longer than {timeout_s:g} s and was stopped")
+    if reply is None:
+        raise SQLError(f"the query could not run: the process running it died (exit code "
+                       f"{worker.returncode}); the next query starts a new one")
+    kind, value = reply
+    if kind == "rows":
+        return value
+    raise (ResultTooLarge if kind == "ResultTooLarge" else SQLError)(value)
+
+
+def _execute(db_path, sql, timeout_s, max_rows, max_bytes):
+    """run_query's work, done in the worker: (column names, rows), or raises SQLError."""
     con = _connect(db_path)
     refused = []  # what the authorizer turned down, for the error message
 
@@ -120,7 +159,8 @@ def run_query(db_path, sql, timeout_s=2.0, max_rows=1000, max_bytes=MAX_RESULT_B
     con.set_authorizer(authorize)
     deadline = time.monotonic() + timeout_s
     # SQLite calls this every 1000 virtual-machine instructions; a true value interrupts the
-    # query, so a recursive CTE without end or a huge cross join stops at the deadline.
+    # query, so a recursive CTE without end or a huge cross join stops at the deadline. One long
+    # built-in call is a single instruction: run_query kills the worker for that.
     con.set_progress_handler(lambda: time.monotonic() > deadline, 1000)
     try:
         cursor = con.execute(sql)  # compiles one statement; anything left after it is refused
@@ -144,6 +184,60 @@ def run_query(db_path, sql, timeout_s=2.0, max_rows=1000, max_bytes=MAX_RESULT_B
         raise SQLError(str(e)) from None
     finally:
         con.close()
+
+
+# The worker: a Python process of this file alone (no torch), started on a process's first query
+# and kept for the next ones. A request is run_query's arguments pickled on its stdin; the reply,
+# pickled on its stdout, is ("rows", (columns, rows)) or (the error's class name, its message).
+# It is keyed by the pid that started it, so a process forked from this one (parallel.forked)
+# starts its own and never reads its parent's pipe.
+_WORKER_MARGIN_S = 1.0  # past the deadline, what the worker has to send its answer (and, on a
+                        # process's first query, to start: about 0.1 s) before it is killed
+_worker = None          # (pid of the process it serves, its subprocess.Popen)
+
+
+def _worker_process():
+    """This process's worker: started if there is none yet, or it died."""
+    global _worker
+    if _worker is None or _worker[0] != os.getpid() or _worker[1].poll() is not None:
+        _stop_worker()
+        here = os.path.dirname(os.path.abspath(__file__))
+        code = f"import sys; sys.path.insert(0, {here!r}); import sql_env; sql_env._serve()"
+        _worker = os.getpid(), subprocess.Popen([sys.executable, "-c", code],
+                                                stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+        # stopped and reaped when this process exits: multiprocessing runs this at a normal exit and
+        # also, unlike atexit, at the end of a child it forked (parallel.forked), whose worker would
+        # otherwise be left to init to reap, which in a container may never happen
+        multiprocessing.util.Finalize(None, _stop_worker, exitpriority=0)
+    return _worker[1]
+
+
+def _stop_worker():
+    """Kill this process's worker and reap it (no zombie); a forked child only forgets its parent's."""
+    global _worker
+    if _worker is not None and _worker[0] == os.getpid():
+        _worker[1].kill()
+        _worker[1].communicate()    # closes both pipes and waits for it
+    _worker = None
+
+
+def _serve():
+    """The worker's loop: answer requests until the parent closes the pipe (it exited or stopped us)."""
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # Ctrl-C is for the parent, which then closes our pipe
+    requests, replies = sys.stdin.buffer, sys.stdout.buffer
+    try:
+        while True:
+            request = pickle.load(requests)
+            try:
+                reply = "rows", _execute(*request)
+            except SQLError as e:
+                reply = type(e).__name__, str(e)
+            except Exception as e:     # anything else a query raises: its error, and the worker lives on
+                reply = "SQLError", f"the query failed: {type(e).__name__}: {e}"
+            pickle.dump(reply, replies)
+            replies.flush()
+    except (EOFError, BrokenPipeError):
+        pass
 
 
 def database_tables(db_path):

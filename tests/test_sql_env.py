@@ -4,11 +4,14 @@ Everything writes under pytest's tmp folders (AGENTRL_CACHE is pointed there), n
 """
 import hashlib
 import json
+import multiprocessing
 import os
 import re
+import signal
 import sqlite3
 import subprocess
 import sys
+import threading
 import time
 
 import pytest
@@ -241,6 +244,79 @@ def test_hostile_statement_is_refused_or_stopped(db, tmp_path, sql):
         run_query(db, sql.format(tmp=tmp_path), timeout_s=1.0)
     assert time.monotonic() - start < 3.0
     assert sha256(db) == before and os.listdir(tmp_path) == []
+
+
+# One built-in call that runs for seconds inside a single instruction: does a run of 99,999 'a'
+# match '%' + 49,990 'a' + 'b'? LIKE tries each of ~50,000 starts and compares up to 49,990
+# characters at each (no value passes MAX_VALUE_BYTES, the pattern stays under SQLite's 50,000
+# limit). In-process it took 5.2 s on an idle 2-core machine, and the progress handler never ran.
+STUCK_IN_ONE_CALL = "SELECT printf('%.*c', 99999, 'a') LIKE printf('%%%.*cb', 49990, 'a')"
+
+
+def test_one_long_builtin_call_is_beyond_the_progress_handler():
+    """Why the worker must be killable: the statement runs fewer than the 1000 instructions
+    between two progress-handler calls, so an in-process limit is never asked; its time is all
+    inside one call. Counted on the same program with a shorter pattern (only a literal differs),
+    not timed: it holds on any CPU."""
+    con = sqlite3.connect(":memory:")
+    assert len(con.execute("EXPLAIN " + STUCK_IN_ONE_CALL).fetchall()) < 100
+    calls = []
+    con.set_progress_handler(lambda: calls.append(1), 1000)
+    assert con.execute(STUCK_IN_ONE_CALL.replace("49990", "500")).fetchall() == [(0,)] and calls == []
+
+
+def test_a_query_stuck_in_one_call_is_stopped_at_the_deadline(db):
+    """The time limit holds for any statement: run_query raises, and the run_sql tool answers with
+    an error observation, within the limit plus a margin that does not depend on the CPU's speed
+    (the statement alone runs for seconds); the next query answers right."""
+    start = time.monotonic()
+    with pytest.raises(SQLError, match="ran longer than 0.2 s and was stopped"):
+        run_query(db, STUCK_IN_ONE_CALL, timeout_s=0.2)
+    assert time.monotonic() - start < 0.2 + 2.0
+    assert run_query(db, "SELECT COUNT(*) FROM categories")[1][0][0] > 0
+    start = time.monotonic()
+    text = env_for(db, timeout_s=0.2).call("run_sql", {"query": STUCK_IN_ONE_CALL})
+    assert text == "Error: the query ran longer than 0.2 s and was stopped" and time.monotonic() - start < 0.2 + 2.0
+
+
+def test_a_worker_killed_mid_query_fails_that_query_clearly_and_is_replaced(db):
+    """A worker that dies (killed from outside, crashed) gives its query a clear SQLError at
+    once, never a hang or a raw exception; it is reaped (no zombie), and the next query starts a
+    new worker and answers right."""
+    run_query(db, "SELECT 1")
+    old = sql_env._worker[1]
+    killer = threading.Timer(0.3, os.kill, (old.pid, signal.SIGKILL))   # inside the long LIKE
+    killer.start()
+    start = time.monotonic()
+    with pytest.raises(SQLError, match="the process running it died"):
+        run_query(db, STUCK_IN_ONE_CALL, timeout_s=30)
+    assert time.monotonic() - start < 3.0
+    killer.join()
+    with pytest.raises(ChildProcessError):
+        os.waitpid(old.pid, os.WNOHANG)          # already reaped
+    assert run_query(db, "SELECT COUNT(*) FROM categories")[1][0][0] > 0
+    assert sql_env._worker[1].pid != old.pid
+
+
+def test_a_forked_process_gets_its_own_worker_and_reaps_it(db):
+    """A process forked as the evaluator forks (parallel.forked: multiprocessing, "fork") starts a
+    worker of its own rather than writing to its parent's pipe, where the two would read each
+    other's answers; when it exits, past atexit, its worker is stopped and reaped, not left a zombie."""
+    assert run_query(db, "SELECT 1")[1] == [(1,)]
+    parent_worker = sql_env._worker[1].pid
+    receive, send = multiprocessing.get_context("fork").Pipe(duplex=False)
+
+    def child():
+        send.send((run_query(db, "SELECT 2")[1], sql_env._worker[1].pid))
+
+    process = multiprocessing.get_context("fork").Process(target=child)
+    process.start()
+    answer, child_worker = receive.recv() if receive.poll(30) else (None, None)
+    process.join()
+    assert answer == [(2,)] and child_worker not in (None, parent_worker)
+    with pytest.raises(ProcessLookupError):
+        os.kill(child_worker, 0)                 # gone: a zombie would still take signal 0
+    assert run_query(db, "SELECT 3")[1] == [(3,)] and sql_env._worker[1].pid == parent_worker
 
 
 def test_read_only_introspection_is_allowed(db):
