@@ -1,55 +1,38 @@
-"""The agent: the chat/tool-call format and a multi-turn rollout engine that reuses the KV cache.
+"""The agent: the chat/tool-call format, the episode a trajectory records, the group, demonstrations.
 
-    model, tokenizer = lora.load_model()                # the policy (lora.py: loading and the LoRA)
-    group = rollout_group(model, tokenizer, task, n=8, sampling=Sampling(seed=0), limits=Limits())
-    group.trajectories[0].token_ids                     # exactly what GRPO will train on
-    group.tree                                          # the turns its trajectories share (Node)
-    group = branch_groups(model, tokenizer, [group], 16, Sampling(seed=1), Limits())[0]  # 8 more, branched
+    trajectory = scripted_trajectory(tokenizer, task, [tool_call_text("list_tables", {}), ...])
+    group = make_group(task, trajectories)              # the trajectories with their tree (tree.py)
     demo = demonstration(tokenizer, task)               # a gold SFT demonstration, as a rollout records it
+    groups = engine.rollout_groups(model, tokenizer, tasks, n=8, sampling=engine.Sampling(seed=0))
 
 An episode: the system prompt (with the tools), a worked example, the question; then turns in which
 the model writes one `<tool_call>{json}</tool_call>` and the environment answers, until it calls
 `submit_answer`. A Trajectory records every token the model saw or sampled, in order, with a mask
 (1 on sampled tokens) and their log-probs: what the update trains on, never a re-tokenization.
+An `Episode` is a trajectory being written: `end_turn` closes an assistant turn (records the
+message, runs the tool, appends the template's next tokens) and `finish` ends it. The engine
+(engine.py) writes many episodes at once with a model; `scripted_trajectory` writes one from given
+turns with the tokenizer alone.
+
+How a tool's answer becomes tokens: nanochat's engine appends a tool's output as forced tokens in
+its own format; here the conversation is re-rendered through the model's chat template and only
+the new text (end of turn, the tool message, the next assistant header) is encoded and appended.
+That works for any template, and `end_turn` asserts the template re-renders the earlier turns as
+they were, so the tokens stay exactly the ones the model saw.
 
 A group is a tree (tree.py, `make_group`): its trajectories share the prompt, and often their first
 turns and the tool's answers. The root's child is the prompt, each node below it one turn (the
 sampled call, the tool's answer, the next turn's header); a trajectory is the path to its leaf.
 The judge prints that tree (judge.py), the update forwards each of its nodes once (forward.py), and
-the step advantages are read off it (grpo.step_advantages). A group can also grow as a tree on
-purpose (`branch_groups`): rows that start from a state another row reached after a tool result.
+the step advantages are read off it (grpo.step_advantages).
 
-How `rollout_groups` turns G tasks into G groups of N trajectories (B = G*N rows):
-  1) the prompts' common prefix is encoded once, into a one-row cache every row starts from;
-  2) every row mid-turn takes its next token, recorded with its log-prob under the raw model
-     (temperature 1: the policy GRPO trains);
-  3) a turn ending in a tool call runs the tool, and the template's new text is queued for the row;
-     a row stops on submit_answer, no call, a limit, or non-finite logits (`Trajectory.stop_reason`);
-  4) finished rows leave the batch;
-  5) once no row is mid-turn (the flush), the cache is packed, waiting rows join (`max_rows`), and
-     every row's queue is fed at once, rows with the same tokens so far (one node) fed once;
-  6) one forward feeds every row what it was given (kvcache.py: the cache and that forward);
-  7) each group's tree, from the turn boundaries the rows recorded (`make_group`).
-Shapes: B rows, S cache columns, W tokens fed in one forward, V vocabulary. ask.py asks a trained
-agent: the same engine on one row, greedy.
-
-Simplifications, and why they are safe:
-- Appends are turn-synchronous: a row that called a tool waits (fed holes) until no row is
-  mid-turn, so the cache stays as wide as the longest row.
-- One tool call per turn: generation stops at `</tool_call>`, so a second call is never made.
-- A waiting row still samples a token each step, ignored: cheaper than gathering the rows that need one.
+Simplification, and why it is safe: one tool call per turn: generation stops at `</tool_call>`, so
+a second call is never made.
 """
 import json
-import random
 import re
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
-import torch
-import torch.nn as nn
-
-import lora
-from files import common_prefix_length
-from kvcache import CachedForward, KVCache, pack_left, right_aligned
 from sql_env import SQLEnv, tables_read
 from tree import Node, build_tree
 
@@ -137,20 +120,11 @@ def parse_tool_call(text) -> tuple[str, dict]:
     return call["name"], args
 
 
-# ----------------------------------------------------------------------------- rollouts
-
-@dataclass
-class Sampling:
-    temperature: float = 1.0
-    greedy: bool = False       # argmax decoding, for evaluation
-    seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
-    weight_dtype: torch.dtype | None = None   # the merged layers' and the lm_head's weights while generating
-                               #   (None: fp32 merged, the head as it is); the log-probs are that policy's
-
+# ----------------------------------------------------------------------------- episodes
 
 @dataclass
 class Limits:
-    max_turns: int = 3         # assistant turns per trajectory
+    max_turns: int = 4         # assistant turns per trajectory (a demonstration takes DEMO_TURNS)
     max_new_tokens: int = 128  # sampled tokens per turn
     max_context: int = 2048    # tokens per trajectory, prompt included
 
@@ -161,8 +135,8 @@ class Trajectory:
     messages: list[dict]            # the full conversation; decode(token_ids) == its chat-template rendering
     token_ids: list[int]            # (T,) exact tokens the model saw or sampled, in order
     assistant_mask: list[int]       # (T,) 1 only on sampled tokens
-    sampled_logprobs: list[float]   # (T,) log p(token_t | tokens_<t) under the raw model (temperature 1),
-                                    #      0.0 where the mask is 0
+    sampled_logprobs: list[float]   # (T,) log p_T(token_t | tokens_<t) under the policy sampled (the
+                                    #      logits over the sampling temperature T), 0.0 where the mask is 0
     submitted_sql: str | None
     correct: bool
     stop_reason: str                # submitted | no_tool_call | max_turns | max_new_tokens | max_context
@@ -195,8 +169,8 @@ def make_group(task, trajectories) -> TrajectoryGroup:
 
 
 @dataclass
-class _Row:
-    """One trajectory being generated (engine-internal)."""
+class Episode:
+    """A trajectory being written (end_turn, finish), then read out whole (to_trajectory)."""
     task: object
     env: object
     tools: list[dict]
@@ -204,15 +178,25 @@ class _Row:
     token_ids: list[int]
     mask: list[int]
     logprobs: list[float]
-    forced: list[list[int]]                         # per turn: tokens to emit instead of sampling
     turn_start: int = 0                             # index in token_ids where this turn's tokens begin
     text_len: int = 0                               # len(decode(token_ids[:turn_start]))
-    pending: list[int] = field(default_factory=list)  # tokens to append, waiting for the next flush
     turns: list[tuple[int, int]] = field(default_factory=list)  # Trajectory.turns
     stop_reason: str = ""
     num_turns: int = 0
     num_tool_calls: int = 0
     num_parse_errors: int = 0
+
+    @classmethod
+    def start(cls, task, env, tokenizer, limits):
+        """A fresh episode in `env`: the task's prompt (system prompt with the tools, the demonstration,
+        the question, through the chat template), nothing sampled yet."""
+        messages = build_messages(task, env.tools, inline_tools=not template_takes_tools(tokenizer))
+        prompt = encode(tokenizer, render(tokenizer, messages, env.tools, add_generation_prompt=True))
+        assert len(prompt) < limits.max_context, \
+            f"prompt of {len(prompt)} tokens exceeds max_context={limits.max_context}"
+        return cls(task, env, env.tools, messages, list(prompt), [0] * len(prompt), [0.0] * len(prompt),
+                   turn_start=len(prompt), text_len=len(decode(tokenizer, prompt)),
+                   turns=[(len(prompt), len(messages))])
 
 
 def decode(tokenizer, ids) -> str:
@@ -237,250 +221,8 @@ def stop_token_ids(tokenizer) -> set[int]:
     return {closing[0]}
 
 
-def _sample(logits, sampling: Sampling, generator) -> torch.Tensor:
-    """Next tokens (B,) from logits (B, V): greedy, or sampled at the temperature."""
-    if sampling.greedy:
-        return logits.argmax(-1)
-    probs = torch.softmax(logits.float() / sampling.temperature, dim=-1)     # (B, V)
-    # the exponential race: argmax_i p_i / E_i with E_i ~ Exp(1) is a sample from p (the Gumbel-max
-    # trick in another guise), cheaper than torch.multinomial over a large V
-    race = torch.empty_like(probs).exponential_(1.0, generator=generator)     # (B, V)
-    return (probs / race).argmax(-1)
-
-
-def rollout_group(model, tokenizer, task, n, sampling=Sampling(), limits=Limits(), **kw) -> TrajectoryGroup:
-    """N trajectories for one task (see rollout_groups)."""
-    return rollout_groups(model, tokenizer, [task], n, sampling, limits, **kw)[0]
-
-
-@torch.no_grad()
-def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limits(),
-                   make_env=None, forced_turns=None, max_rows=None, rows=None) -> list[TrajectoryGroup]:
-    """N trajectories for each task, decoded in one batch (the steps in the module docstring): one
-    TrajectoryGroup per task, in task order, with its tree. The same seed gives the same trajectories.
-
-    make_env: task -> environment (default sql_env.SQLEnv) with .tools, .call(name, args), .done,
-        .submitted_sql, .correct, .num_tool_errors.
-    forced_turns: a test hook: forced_turns[i][k] is a text row i (task-major: task g, sample j is
-        row g*n + j) emits at the start of turn k instead of sampling; its log-probs are the model's.
-    max_rows: at most this many rows decode at once (default: all G*N); the others join at flushes,
-        in task order, in the places of finished rows (continuous batching).
-    rows: the rows to go on from, _start_rows' (branch_groups moves some on first); default, the prompts."""
-    if not tasks:       # a process whose share of a step or an evaluation is empty (torchrun, few tasks)
-        return []
-    was_training, device = model.training, model.device
-    model.eval()
-    generator = torch.Generator(device=device).manual_seed(sampling.seed)
-    stop_ids, pad_id = stop_token_ids(tokenizer), tokenizer.pad_token_id or 0
-    forward = CachedForward(model, sampling.weight_dtype)
-
-    with lora.lora_merged(model, sampling.weight_dtype):   # one weight a layer while generating (lora.py)
-        # 1) the prompts' common prefix (system prompt, tools, worked example) is encoded ONCE, into a
-        #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
-        rows = rows or _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv, forced_turns)
-        prompts = [row.token_ids for row in rows]
-        prefix = KVCache(model.config)
-        prefix_len = common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
-        forward(torch.tensor([prompts[0][:prefix_len]], device=device),
-                torch.ones((1, prefix_len), dtype=torch.long, device=device), prefix)
-        for row in rows:
-            row.pending = row.token_ids[prefix_len:]     # the first feed: at least one token of its own
-
-        cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
-        mask = torch.zeros((0, 0), dtype=torch.long, device=device)       # (B, S): 1 real token, 0 hole
-        waiting = list(range(len(rows)))[::-1]   # rows not started yet, the next one last
-        active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, V)
-        max_rows = max_rows or len(rows)
-
-        while active or waiting:
-            # 2) every active row that is mid-turn takes its next token: forced, greedy or sampled
-            feed = {}                       # r -> tokens to feed in the next forward
-            if active:
-                chosen, chosen_logprobs, finite = _next_tokens(logits, [rows[r] for r in active], sampling,
-                                                               generator)
-            # 3) end turns: run tools, queue the appended tokens, close finished rows
-            for b, r in enumerate(active):
-                row = rows[r]
-                if row.pending:             # waiting for the flush: not mid-turn, fed a hole
-                    continue
-                if not finite[b]:           # an overflow upstream: no token to take, the row ends here
-                    _end_turn(row, limits, tokenizer, truncated="non_finite_logits")
-                    continue
-                _take_token(row, chosen[b], chosen_logprobs[b], stop_ids, limits, tokenizer)
-                if row.pending:
-                    row.pending.insert(0, chosen[b])      # the call's last token is not in the cache yet
-                elif not row.stop_reason:
-                    feed[r] = [chosen[b]]
-
-            # 4) drop finished rows from the batch (cache, mask and their bookkeeping)
-            keep = [b for b, r in enumerate(active) if not rows[r].stop_reason]
-            if len(keep) < len(active):
-                index = torch.tensor(keep, dtype=torch.long, device=device)
-                cache.batch_select_indices(index)
-                mask = mask[index]
-                active = [active[b] for b in keep]
-
-            # 5) the turn-synchronous flush: once no row is mid-turn, pack the cache (drop hole columns),
-            #    let waiting rows join with the prefix, and feed every row its queued tokens at once
-            flush = not feed
-            if flush:
-                mask = pack_left(cache, mask)
-                joining = [waiting.pop() for _ in range(min(len(waiting), max_rows - len(active)))]
-                if joining:
-                    cache.add_rows(prefix, len(joining))    # the prefix, then holes up to the cache's width
-                    width = cache.get_seq_length()
-                    new_mask = (torch.arange(width, device=device) < prefix_len).long()
-                    new_mask = new_mask.expand(len(joining), -1)
-                    mask = torch.cat([nn.functional.pad(mask, (0, width - mask.shape[1])), new_mask])
-                    active += joining
-                for r in active:
-                    feed[r], rows[r].pending = rows[r].pending, []
-            if not active:
-                break
-
-            # 6) one forward for all rows over what they were fed; logits for each row's last token. At a
-            #    flush, rows with the same tokens so far (one node of their group's tree) get the same
-            #    cache row and logits: one of each is fed (`firsts`), then copied (`which`)
-            firsts, which = (_distinct_histories([rows[r] for r in active]) if flush
-                             else (range(len(active)), None))
-            shared = len(firsts) < len(active)
-            if shared:
-                cache.batch_select_indices(torch.tensor(firsts, device=device))
-                mask = mask[firsts]
-            ids, new_mask = right_aligned([feed.get(active[b], []) for b in firsts], pad_id, device)  # (B, W)
-            mask = torch.cat([mask, new_mask], dim=1)                                            # (B, S+W)
-            logits = forward(ids, mask, cache)                    # (B, V); a waiting row's are unused
-            if shared:
-                index = torch.tensor(which, device=device)
-                cache.batch_select_indices(index)
-                mask, logits = mask[index], logits[index]
-
-    model.train(was_training)
-    trajectories = [_trajectory(row) for row in rows]
-    return [make_group(task, trajectories[g * n:(g + 1) * n]) for g, task in enumerate(tasks)]
-
-
-def _distinct_histories(rows):
-    """([the first row of each distinct token history], [for each row, its history's place in
-    that list]). The cache depends on the tokens alone; each row keeps its own environment."""
-    places, firsts, which = {}, [], []
-    for b, row in enumerate(rows):
-        key = tuple(row.token_ids)
-        if key not in places:
-            places[key] = len(firsts)
-            firsts.append(b)
-        which.append(places[key])
-    return firsts, which
-
-
-def _start_rows(tasks, n, tokenizer, limits, make_env, forced_turns=None):
-    """The rows of a rollout, task-major (task g, sample j is row g*n + j), each with its own
-    environment and the task's prompt: system prompt with the tools, the demonstration, the
-    question, through the chat template."""
-    rows = []
-    inline_tools = not template_takes_tools(tokenizer)
-    for task in tasks:
-        envs = [make_env(task) for _ in range(n)]
-        messages = build_messages(task, envs[0].tools, inline_tools=inline_tools)
-        prompt = encode(tokenizer, render(tokenizer, messages, envs[0].tools, add_generation_prompt=True))
-        assert len(prompt) < limits.max_context, \
-            f"prompt of {len(prompt)} tokens exceeds max_context={limits.max_context}"
-        for env in envs:
-            forced = [encode(tokenizer, text) for text in forced_turns[len(rows)]] if forced_turns else []
-            row = _Row(task, env, envs[0].tools, [dict(m) for m in messages], list(prompt),
-                       [0] * len(prompt), [0.0] * len(prompt), forced, turn_start=len(prompt),
-                       text_len=len(decode(tokenizer, prompt)), turns=[(len(prompt), len(messages))])
-            rows.append(row)
-    return rows
-
-
-def _go_to(row, trajectory, k, tokenizer):
-    """Put a fresh row in the state `trajectory` reached after k turns: its tokens, with mask 0 (the
-    trajectory sampled them and is credited for them; this row trains only on what it samples), its
-    messages, and the environment, brought there by making the trajectory's k tool calls again (its
-    counters; the messages stay the trajectory's, should a query answer differently, a timeout say)."""
-    end, last = trajectory.turns[k]
-    for message in trajectory.messages[len(row.messages):last:2]:       # its assistant turns
-        row.num_turns += 1
-        row.num_tool_calls += "<tool_call>" in message["content"]
-        try:
-            row.env.call(*parse_tool_call(message["content"]))
-        except ToolCallError:
-            row.num_parse_errors += 1
-    row.messages = [dict(m) for m in trajectory.messages[:last]]
-    row.token_ids, row.mask, row.logprobs = trajectory.token_ids[:end], [0] * end, [0.0] * end
-    row.turn_start, row.text_len = end, len(decode(tokenizer, row.token_ids))
-    row.turns = list(trajectory.turns[:k + 1])
-
-
-def branch_groups(model, tokenizer, groups, n, sampling, limits, rule="uniform", max_rows=None,
-                  make_env=None):
-    """Groups that branch at turn boundaries (Tree-GRPO, arXiv:2509.21240): each group, rolled out
-    whole, gets new rows up to n that go on from one of its states right after a tool result
-    (`_go_to`), sampled from there; a group with no such state gets rows from the prompt. The state is
-    drawn uniformly over the trajectories' turn boundaries (a state m of them share, m times as
-    often), or (rule "entropy", after ARPO, arXiv:2507.19849) in proportion to the entropy of the
-    turn the trajectory sampled there (-log p of its first 8 tokens over 8; a shorter turn's tool
-    tokens count 0): where the policy was unsure. The copied part is fed once per distinct state in
-    one forward, never decoded again. Returns the groups with their new trees."""
-    if not groups:
-        return []
-    rng, starts, more = random.Random(f"branch {sampling.seed}"), [], n - len(groups[0].trajectories)
-    assert more > 0 and all(len(g.trajectories) == n - more for g in groups), "groups of one size, under n"
-    assert rule in ("uniform", "entropy"), f"rule: uniform or entropy, got {rule!r}"
-    for group in groups:
-        states = [(t, k) for t in group.trajectories for k in range(1, len(t.turns))]
-        if not states:
-            starts += [(group.trajectories[0], 0)] * more
-            continue
-        entropy = [-sum(t.sampled_logprobs[t.turns[k][0]:][:8]) / 8 + 1e-6 for t, k in states]
-        starts += rng.choices(states, weights=entropy if rule == "entropy" else None, k=more)
-    tasks = [g.task for g in groups]
-    rows = _start_rows(tasks, more, tokenizer, limits, make_env or SQLEnv)
-    for row, (trajectory, k) in zip(rows, starts):
-        if k:
-            _go_to(row, trajectory, k, tokenizer)
-    sampling = replace(sampling, seed=sampling.seed + 2**32)      # a stream no other rollout's seed gives
-    branched = rollout_groups(model, tokenizer, tasks, more, sampling, limits, max_rows=max_rows, rows=rows)
-    return [make_group(g.task, g.trajectories + b.trajectories) for g, b in zip(groups, branched)]
-
-
-def _next_tokens(logits, rows, sampling, generator):
-    """A token for each row from its logits (B, V): greedy or sampled, or the row's forced token.
-    Log-probs under the raw distribution (temperature 1). Returns (tokens, log-probs,
-    finite), B each."""
-    logprobs = torch.log_softmax(logits, dim=-1)                                      # (B, V)
-    chosen = _sample(logits, sampling, generator)                                     # (B,)
-    for b, row in enumerate(rows):
-        if (forced := _forced_token(row)) is not None:
-            chosen[b] = forced
-    chosen_logprobs = logprobs.gather(1, chosen[:, None])[:, 0]                       # (B,)
-    return chosen.tolist(), chosen_logprobs.tolist(), torch.isfinite(logits).all(-1).tolist()
-
-
-def _forced_token(row) -> int | None:
-    """The row's next token where it is scripted (forced_turns, a test hook), else None."""
-    turn, done = row.num_turns, len(row.token_ids) - row.turn_start
-    return row.forced[turn][done] if turn < len(row.forced) and done < len(row.forced[turn]) else None
-
-
-def _take_token(row, token, logprob, stop_ids, limits, tokenizer):
-    """Append a sampled token to a mid-turn row; end the turn on a stop token, a closed tool call
-    (looked for in this turn's tokens only), or a limit."""
-    row.token_ids.append(token)
-    row.mask.append(1)
-    row.logprobs.append(logprob)
-    eos = token in stop_ids
-    recent = row.token_ids[max(row.turn_start, len(row.token_ids) - 12):]
-    if eos or "</tool_call>" in decode(tokenizer, recent):
-        _end_turn(row, limits, tokenizer, truncated=None, eos=eos)
-    elif len(row.token_ids) - row.turn_start >= limits.max_new_tokens:
-        _end_turn(row, limits, tokenizer, truncated="max_new_tokens")
-    elif len(row.token_ids) >= limits.max_context:
-        _end_turn(row, limits, tokenizer, truncated="max_context")
-
-
-def _trajectory(row) -> Trajectory:
+def to_trajectory(row: Episode) -> Trajectory:
+    """The finished episode as the Trajectory the update and the judge read."""
     return Trajectory(row.task.id, row.messages, row.token_ids, row.mask, row.logprobs, row.env.submitted_sql,
                       bool(row.env.correct), row.stop_reason, row.num_turns, row.num_tool_calls,
                       row.num_parse_errors + row.env.num_tool_errors,
@@ -489,18 +231,19 @@ def _trajectory(row) -> Trajectory:
                       failed_submission=getattr(row.env, "submit_error", None) is not None, turns=row.turns)
 
 
-def _end_turn(row: _Row, limits: Limits, tokenizer, truncated: str | None, eos: bool = False):
-    """Close the assistant turn that just ended: record the message, run the tool, then either
-    queue the next turn's tokens in row.pending or finish the row (row.stop_reason)."""
+def end_turn(row: Episode, limits: Limits, tokenizer, truncated: str | None = None, eos=False) -> list[int]:
+    """Close the assistant turn that just ended: record the message, run the tool, then either append
+    the next turn's tokens (returned: the model has yet to see them) or finish the episode
+    (row.stop_reason; returns [])."""
     # the turn's text, decoded in context (exact for any tokenizer), minus a sampled stop token
     sampled_end = len(row.token_ids) - 1 if eos else len(row.token_ids)
     content = decode(tokenizer, row.token_ids[:sampled_end])[row.text_len:]
     row.messages.append({"role": "assistant", "content": content})
     row.num_turns += 1
     if truncated:
-        return _finish(row, truncated, tokenizer)
+        return finish(row, truncated, tokenizer)
     if "<tool_call>" not in content:                # a final answer without submission: scores wrong
-        return _finish(row, "no_tool_call", tokenizer)
+        return finish(row, "no_tool_call", tokenizer)
     row.num_tool_calls += 1
     try:
         name, args = parse_tool_call(content)
@@ -510,9 +253,9 @@ def _end_turn(row: _Row, limits: Limits, tokenizer, truncated: str | None, eos: 
         observation = f'Error: {e}. Write <tool_call>{{"name": "...", "arguments": {{...}}}}</tool_call>'
     row.messages.append({"role": "tool", "content": observation})
     if row.env.done:
-        return _finish(row, "submitted", tokenizer)
+        return finish(row, "submitted", tokenizer)
     if row.num_turns >= limits.max_turns:
-        return _finish(row, "max_turns", tokenizer)
+        return finish(row, "max_turns", tokenizer)
     # the new tokens: end of turn + tool message + next assistant header, as the template renders them
     text = decode(tokenizer, row.token_ids)
     rendered = render(tokenizer, row.messages, row.tools, add_generation_prompt=True)
@@ -520,18 +263,19 @@ def _end_turn(row: _Row, limits: Limits, tokenizer, truncated: str | None, eos: 
     suffix = encode(tokenizer, rendered[len(text):])
     if len(row.token_ids) + len(suffix) + 1 > limits.max_context:
         row.messages.pop()                          # no room for the tool result and one more token
-        return _finish(row, "max_context", tokenizer)
-    row.pending = suffix
+        return finish(row, "max_context", tokenizer)
     row.token_ids += suffix
     row.mask += [0] * len(suffix)
     row.logprobs += [0.0] * len(suffix)
     row.turn_start, row.text_len = len(row.token_ids), len(decode(tokenizer, row.token_ids))
     row.turns.append((row.turn_start, len(row.messages)))
+    return suffix
 
 
-def _finish(row: _Row, reason: str, tokenizer):
-    """Stop the row; append the closing tokens (end of turn, last tool message) the template
-    renders, so decode(token_ids) equals the rendering of messages. They are never fed to the model."""
+def finish(row: Episode, reason: str, tokenizer) -> list[int]:
+    """End the episode; append the closing tokens (end of turn, last tool message) the template
+    renders, so decode(token_ids) equals the rendering of messages. They are never fed to the model:
+    returns []."""
     row.stop_reason = reason
     text = decode(tokenizer, row.token_ids)
     rendered = render(tokenizer, row.messages, row.tools, add_generation_prompt=False)
@@ -540,6 +284,7 @@ def _finish(row: _Row, reason: str, tokenizer):
     row.token_ids += closing
     row.mask += [0] * len(closing)
     row.logprobs += [0.0] * len(closing)
+    return []
 
 
 # ----------------------------------------------------------------------------- demonstrations (SFT)
@@ -549,14 +294,9 @@ DEMO_TURNS = 4     # the assistant turns a demonstration needs: list, describe (
 def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) -> Trajectory:
     """The trajectory a rollout records when the model emits exactly `turns` (one text per
     assistant turn, each ending in </tool_call>), built with the tokenizer alone: the same
-    prompt, the same appended tool tokens and masks as rollout_groups(forced_turns=[turns]),
-    with no forward pass. sampled_logprobs are 0.0 (unknown without the model). For SFT."""
-    env = (make_env or SQLEnv)(task)
-    messages = build_messages(task, env.tools, inline_tools=not template_takes_tools(tokenizer))
-    prompt = encode(tokenizer, render(tokenizer, messages, env.tools, add_generation_prompt=True))
-    row = _Row(task, env, env.tools, messages, list(prompt), [0] * len(prompt), [0.0] * len(prompt), [],
-               turn_start=len(prompt), text_len=len(decode(tokenizer, prompt)),
-               turns=[(len(prompt), len(messages))])
+    prompt, the same appended tool tokens and masks as the engine's, with no forward pass.
+    sampled_logprobs are 0.0 (unknown without the model). For SFT."""
+    row = Episode.start(task, (make_env or SQLEnv)(task), tokenizer, limits)
     for text in turns:
         assert not row.stop_reason, f"turn {text!r} comes after the episode ended ({row.stop_reason})"
         ids = encode(tokenizer, text)
@@ -564,11 +304,10 @@ def scripted_trajectory(tokenizer, task, turns, limits=Limits(), make_env=None) 
         row.token_ids += ids
         row.mask += [1] * len(ids)
         row.logprobs += [0.0] * len(ids)
-        _end_turn(row, limits, tokenizer, truncated=None)
-        row.pending = []            # the engine would feed these; here they are already in token_ids
+        end_turn(row, limits, tokenizer)
     if not row.stop_reason:
-        _finish(row, "max_turns", tokenizer)
-    return _trajectory(row)
+        finish(row, "max_turns", tokenizer)
+    return to_trajectory(row)
 
 
 def gold_turns(task, max_turns=None) -> list[str]:

@@ -13,7 +13,8 @@ import json
 import textwrap
 
 import lora
-from agentrl import Limits, Sampling, ToolCallError, Trajectory, parse_tool_call, rollout_group
+from agentrl import Limits, ToolCallError, Trajectory, parse_tool_call
+from engine import Sampling, rollout_group
 from sql_env import SQLEnv, SQLError, Task, database_tables
 
 NO_ANSWER = {   # why an episode ended without a submitted query, in words

@@ -5,7 +5,7 @@
     print(format_evals(record, list(sets)))
 
 Contract:
-- One greedy trajectory per task (agentrl.Sampling(greedy=True)): the same model and tasks give
+- One greedy trajectory per task (engine.Sampling(greedy=True)): the same model and tasks give
   the same outcomes, whatever the training seed. The subset of a split is drawn with a seed of
   its own (load_eval_sets), so runs with different --seed, and the splits test and test_schema
   (the same questions on another schema), evaluate the same question positions.
@@ -30,6 +30,7 @@ import numpy as np
 import torch
 
 import agentrl
+import engine
 import lora
 import parallel
 import sql_env
@@ -85,10 +86,10 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, processes=
     processes of one thread each, each with a contiguous share of the tasks and its own `max_rows`
     (parallel.forked). weight_dtype: Sampling.weight_dtype, on a CPU only."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    greedy = agentrl.Sampling(greedy=True, weight_dtype=on_cpu_only(weight_dtype, model.device))
+    greedy = engine.Sampling(greedy=True, weight_dtype=on_cpu_only(weight_dtype, model.device))
 
     def episodes(share):
-        return [g.trajectories[0] for g in agentrl.rollout_groups(model, tokenizer, share, 1, greedy, limits,
+        return [g.trajectories[0] for g in engine.rollout_groups(model, tokenizer, share, 1, greedy, limits,
                                                                   max_rows=max_rows)]
     if processes > 1 and model.device.type == "cpu":
         was_training = model.training

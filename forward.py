@@ -1,10 +1,10 @@
 """The training forward: the token log-probs of a group's trajectories, each node of its tree forwarded once.
 
     logprobs = tree_logprobs(model, group.tree, group.trajectories, rows)   # (B, T) fp32, with grad
-    batch = collate([group.trajectories[i] for i in rows], advantages, device)   # masks, old log-probs
+    batch = collate([group.trajectories[i] for i in rows], advantages, device)   # mask, old log-probs, A
 
 A group's trajectories share their prompt, and often their first turns and tool results: the
-group's tree (agentrl.Node). `pack` lays the nodes that the wanted trajectories pass through side
+group's tree (tree.Node). `pack` lays the nodes that the wanted trajectories pass through side
 by side in one sequence, and the model runs once over it with a tree attention mask: a token
 attends to the tokens before it in its node and to every token of its node's ancestors, and its
 position is its index in its trajectory. So each token gets the hidden state a forward over its
@@ -48,11 +48,11 @@ def pack(tree, rows):
         positions.extend(range(node.start, node.start + len(node.tokens)))
         before.extend([path[-1] if path else -1] + here[:-1] if here else [])
         visible_runs.append((here, path))
-        for r in node.rows:
+        for r in node.through:
             if r in wanted:
                 index[r].extend(here)
         for child in node.children:
-            if wanted.intersection(child.rows):
+            if wanted.intersection(child.through):
                 visit(child, path + here)
 
     visit(tree, [])
@@ -67,22 +67,18 @@ def pack(tree, rows):
 
 
 # ---------------------------------------------------------------- 2) token log-probs, chunked
-def _head_logprobs(head, hidden, targets):
-    """log p(target) for n positions: (n, H) hidden, (n,) targets -> (n,) fp32."""
-    logits = head(hidden).float()  # (n, V): the only full-vocabulary tensor, one chunk at a time
+def _head_logprobs(head, hidden, targets, temperature):
+    """log p_T(target), p_T = softmax(logits / T), at n positions: (n, H) hidden, (n,) targets -> (n,)."""
+    logits = head(hidden).float() / temperature  # (n, V): the only full-vocabulary tensor, a chunk at a time
     return logits.log_softmax(-1).gather(-1, targets[:, None]).squeeze(-1)
 
 
-def tree_logprobs(model, tree, trajectories, rows, chunk_size=512):
-    """(B, T) fp32 log p(token_t | tokens_<t) of trajectories[r] for r in rows (B = len(rows), T
-    their longest, right-padded with 0), at the tokens some row trains (assistant_mask 1), 0
-    elsewhere; one forward over the nodes of `tree` they pass through (pack).
-
-    The lm_head and log-softmax run over chunks of `chunk_size` wanted positions, each under
-    activation checkpointing: autograd keeps the (n, H) hidden chunk and recomputes its (n, V)
-    logits in the backward, so one chunk of fp32 logits is alive at a time instead of one per
-    token (8 x 1024 x 49152 x 4 bytes = 1.6 GB for SmolLM2). chunk_size=None: all at once.
-    """
+def tree_logprobs(model, tree, trajectories, rows, chunk_size=512, temperature=1.0):
+    """(B, T) fp32 log p_T(token_t | tokens_<t), p_T = softmax(logits / temperature) (the policy a
+    rollout at that temperature sampled), of trajectories[r] for r in rows, right-padded with 0, at
+    the tokens some row trains, 0 elsewhere; one forward over the nodes of `tree` they pass through
+    (pack). The lm_head runs over chunks of `chunk_size` wanted positions (None: all at once), each
+    checkpointed: one chunk's (n, V) fp32 logits alive at a time, recomputed in the backward."""
     device = next(model.parameters()).device
     ids, positions, visible, before, index = pack(tree, rows)
     # one trajectory is a chain, its mask the causal one: passing none lets SDPA take its causal path,
@@ -102,9 +98,10 @@ def tree_logprobs(model, tree, trajectories, rows, chunk_size=512):
     head, n = model.get_output_embeddings(), chunk_size or max(1, len(wanted))
     pieces = zip(h.split(n), targets.split(n))
     if chunk_size and torch.is_grad_enabled():
-        logps = [checkpoint(_head_logprobs, head, hc, yc, use_reentrant=False) for hc, yc in pieces]
+        logps = [checkpoint(_head_logprobs, head, hc, yc, temperature, use_reentrant=False)
+                 for hc, yc in pieces]
     else:       # all at once, or no autograd: nothing is kept for a backward anyway
-        logps = [_head_logprobs(head, hc, yc) for hc, yc in pieces]
+        logps = [_head_logprobs(head, hc, yc, temperature) for hc, yc in pieces]
     packed = torch.zeros(len(ids), dtype=torch.float32, device=device)                 # (U,)
     packed = packed.index_put((wanted.to(device),), torch.cat(logps)) if logps else packed
     # each row's tokens, gathered from the one copy: (B, T), 0 on the padding
@@ -116,7 +113,7 @@ def tree_logprobs(model, tree, trajectories, rows, chunk_size=512):
 
 def collate(trajectories, advantages, device):
     """Right-pad trajectories into a batch: mask (B, T) 1.0 on trained tokens; old_logprobs (B, T)
-    the rollout's; advantages (B,), or (B, T) where they are given per token (lists)."""
+    the rollout's; advantages (B, T) from one list of floats per trajectory (None: no advantages)."""
     T = max(len(t.token_ids) for t in trajectories)
     for t in trajectories:
         assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), \
@@ -129,8 +126,7 @@ def collate(trajectories, advantages, device):
 
     return {"mask": pad([t.assistant_mask for t in trajectories]),
             "old_logprobs": pad([t.sampled_logprobs for t in trajectories]),
-            "advantages": (pad(advantages) if any(isinstance(a, list) for a in advantages)   # (B, T)
-                           else torch.tensor(advantages, dtype=torch.float32, device=device))}  # (B,)
+            "advantages": None if advantages is None else pad(advantages)}
 
 
 # ---------------------------------------------------------------- 3) train mode and memory

@@ -1,22 +1,30 @@
 """The learning rule: GRPO on a LoRA, written as small pure functions.
 
-    batch, counts = batch_from_groups(groups, rewards)             # 1) better or worse than the group?
-    batch, counts = batch_from_groups(groups, rewards, step_credit=1.0)  #  and each turn than its state's?
+    batch, counts = make_batch(groups, rewards, grpo_advantages)    # 1) better or worse than the group?
+    batch, counts = make_batch(groups, rewards, partial(step_credit_advantages, weight=1.0))  # each turn too
     scaler = torch.amp.GradScaler(device.type, enabled=fp16)       #    (disabled: a pass-through)
     stats = grpo_step(model, optimizer, batch, GRPOConfig(), scaler,  # 2) one optimizer step
-                      reference_context=lora.lora_disabled(model))
+                      reference=lora.lora_disabled(model))
 
 GRPO (DeepSeekMath, Shao et al. 2024, arXiv:2402.03300) drops PPO's value network: the n
 trajectories of a group answer the same task, so the group mean reward is the baseline, and
-every trained token of a trajectory shares its advantage. Step credit (GiGPO, step_advantages)
-adds to each turn's tokens a second advantage, taken among the trajectories that reached the
-state the turn starts from: the group's tree knows those states exactly. The update is PPO's clipped surrogate
-on those advantages, token by token, over the tokens the model sampled (prompts and tool
-results carry mask 0). One step (grpo_step): each group's tree is forwarded once
-(forward.tree_logprobs), policy_loss gives its loss, normalized over the whole step, and its
-backward adds into the gradient; the gradient norm is clipped and the optimizer steps. A
+every trained token of a trajectory shares its advantage. An advantage is always one float per
+token: an estimator is a function (group, rewards) -> one list per trajectory, and a fork adds
+one as a function (tests/test_grpo.py plugs in RLOO's leave-one-out baseline). Step credit (GiGPO,
+step_credit_advantages) adds to each turn's tokens a second advantage, taken among the trajectories
+that reached the state the turn starts from: the group's tree knows those states exactly. The
+update is PPO's clipped surrogate on those advantages, token by token, over the tokens the model
+sampled (prompts and tool results carry mask 0). One step (grpo_step): each group's tree is
+forwarded once (forward.tree_logprobs), policy_loss gives its loss, normalized over the whole step,
+and its backward adds into the gradient; the gradient norm is clipped and the optimizer steps. A
 non-finite loss or gradient skips the step. Beside it, the control GRPO is measured against:
-sft_step on a step's correct rollouts (rejection-sampling fine-tuning).
+rft_step, a supervised step on the batch's correct rollouts (rejection-sampling fine-tuning).
+
+The policy trained is the one sampled: the rollout records each token's log-prob at the sampling
+temperature, log softmax(logits / T), and the update divides the logits by the same T
+(GRPOConfig.temperature), as TRL and verl do. Trained at temperature 1 instead, the ratio would
+compare two different policies, and its clip would bound the wrong one (RESULTS.md, "The policy
+sampled is the policy trained", has the paired arms).
 
 Simplifications, and why they are safe:
 - The PPO "old" policy is the rollout policy itself (its `sampled_logprobs`): no extra forward.
@@ -26,29 +34,32 @@ Simplifications, and why they are safe:
 - The KL reference is a context manager under which the model is the reference
   (lora.lora_weights: the adapter RL started from; lora.lora_disabled: the base model): no
   second model in memory.
-- Entropy is the mean of -log p(sampled token) over trained tokens, read from the rollouts: the
-  policy's entropy in expectation at temperature 1, a trend indicator otherwise.
+- Entropy is the mean of -log p(sampled token) over trained tokens, read from the rollouts: an
+  unbiased estimate of the sampled policy's entropy, with no full-vocabulary pass.
 
 Letters in shape comments: B sequences in a micro-batch, T tokens (right-padded).
 """
 import math
 from dataclasses import dataclass
+from typing import Literal, get_args
 
 import torch
 
 import agentrl
 import forward
 
-AGGREGATIONS = ("token", "sequence", "constant")
+Aggregation = Literal["token", "sequence", "constant"]      # the loss normalizers (aggregate)
+AGGREGATIONS = get_args(Aggregation)
 
 
 @dataclass
 class GRPOConfig:
     micro_batch_size: int = 8         # a group's trajectories per forward (their tree once); gradients add up
     chunk_size: int | None = 512      # positions per lm_head chunk (forward.tree_logprobs); None: all at once
+    temperature: float = 1.0          # the sampling temperature: logits / T, the policy sampled (see above)
     clip_low: float = 0.2             # PPO epsilon below ratio 1 (Schulman et al. 2017)
     clip_high: float = 0.28           # above ratio 1: DAPO's clip-higher (Yu et al. 2025, arXiv:2503.14476)
-    aggregation: str = "token"        # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO): policy_loss
+    aggregation: Aggregation = "token"  # "token" (DAPO), "sequence" (GRPO), "constant" (Dr. GRPO): aggregate
     max_tokens: int | None = None     # Dr. GRPO's constant, the generation budget; None = the step's longest
     kl_coef: float = 0.0              # beta of the k3 KL to the reference policy; 0: none, no forward (DAPO)
     max_grad_norm: float = 1.0        # global gradient-norm clip
@@ -57,60 +68,45 @@ class GRPOConfig:
 
 
 # ---------------------------------------------------------------- 1) advantages
-def group_advantages(rewards, scale_by_std=True, eps=1e-6):
-    """Per-trajectory advantages from per-group rewards: A_i = (r_i - mean(r)) / std(r).
-
-    rewards: one list of floats per group, or None for a group without rewards. Returns
-    (advantages, counts): advantages[g] is one float per trajectory, or None for a group without
-    signal: unscored, or zero variance (every advantage would be 0); counts counts each kind.
-    std is the sample std (n - 1), as TRL's. scale_by_std=False is Dr. GRPO (Liu et al. 2025,
-    arXiv:2503.20783): the std up-weights groups nearly all right or all wrong, a difficulty bias.
-
-    Four trajectories of one task, two right (reward 1) and two wrong (0): the mean is 0.5, the
-    sample std is sqrt(4 * 0.25 / 3) = 0.577, so the advantages are +-0.5 / 0.577 = +-0.866.
-    A second group, all right, carries no signal:
-
-    >>> advantages, counts = group_advantages([[1.0, 0.0, 1.0, 0.0], [1.0, 1.0, 1.0, 1.0]])
-    >>> [round(a, 3) for a in advantages[0]], advantages[1], counts["zero_variance_groups"]
-    ([0.866, -0.866, 0.866, -0.866], None, 1)
-    >>> group_advantages([[1.0, 0.0, 1.0, 0.0]], scale_by_std=False)[0][0]     # Dr. GRPO
-    [0.5, -0.5, 0.5, -0.5]
+def normalized(rewards, scale_by_std=True, eps=1e-6):
+    """GRPO's rule on one set of returns: (r_i - mean r) / std r, std the sample std (n - 1), as
+    TRL's; all zeros when the returns are all equal (no signal). scale_by_std=False is Dr. GRPO
+    (Liu et al. 2025, arXiv:2503.20783): the std up-weights groups nearly all right or all wrong.
+    Four trajectories, two right (reward 1) and two wrong (0): the mean is 0.5, the sample std
+    sqrt(4 * 0.25 / 3) = 0.577, so the advantages are +-0.5 / 0.577 = +-0.866:
+    >>> [round(a, 3) for a in normalized([1.0, 0.0, 1.0, 0.0])]
+    [0.866, -0.866, 0.866, -0.866]
+    >>> normalized([1.0, 0.0, 1.0, 0.0], scale_by_std=False), normalized([1.0, 1.0])
+    ([0.5, -0.5, 0.5, -0.5], [0.0, 0.0])
     """
-    advantages = []
-    counts = {"groups": len(rewards), "trainable_groups": 0, "zero_variance_groups": 0, "unscored_groups": 0}
-    for group in rewards:
-        if group is None:
-            counts["unscored_groups"] += 1
-            advantages.append(None)
-            continue
-        assert len(group) >= 2, f"a group needs at least 2 trajectories to have a baseline, got {len(group)}"
-        r = torch.tensor(group, dtype=torch.float64)  # (n,)
-        assert torch.isfinite(r).all(), f"non-finite reward in group {group}"
-        std = r.std()
-        if std <= eps:
-            counts["zero_variance_groups"] += 1
-            advantages.append(None)
-            continue
-        a = r - r.mean()  # GRPO: the group mean is the baseline
-        if scale_by_std:
-            a = a / std
-        counts["trainable_groups"] += 1
-        advantages.append(a.tolist())
-    return advantages, counts
+    assert len(rewards) >= 2, f"a baseline needs at least 2 returns, got {len(rewards)}"
+    r = torch.tensor(rewards, dtype=torch.float64)  # (n,)
+    assert torch.isfinite(r).all(), f"non-finite reward in {rewards}"
+    if r.std() <= eps:
+        return [0.0] * len(rewards)
+    a = r - r.mean()  # GRPO: the group mean is the baseline
+    return (a / r.std() if scale_by_std else a).tolist()
+
+
+def grpo_advantages(group, rewards, scale_by_std=True):
+    """The estimator GRPO uses: trajectory i's every token gets normalized(rewards)[i]. rewards: one
+    float per trajectory, None for one left out (its advantages are None too)."""
+    kept = [i for i, r in enumerate(rewards) if r is not None]
+    episode = dict(zip(kept, normalized([rewards[i] for i in kept], scale_by_std)))
+    return [[episode[i]] * len(t.token_ids) if i in episode else None
+            for i, t in enumerate(group.trajectories)]
 
 
 def step_advantages(tree, returns, scale_by_std=True):
     """Per-turn step advantages read off a group's tree (GiGPO's A^S, Feng et al. 2025, arXiv:2505.10978):
-    returns (steps, anchors). A node's end is a state (the same tokens up to the start of an
-    assistant turn: the same calls, the same tool results) and its children the turns taken from
-    it. At a state two or more trajectories share, each one's step advantage for the turn it takes
-    there is its return minus the mean return through the state (over their std unless
-    scale_by_std=False); at a state seen once it is 0. returns: one float per trajectory, None for
-    one left out. steps[i]: one float per turn of trajectory i; anchors: the sizes of the shared
-    states past the prompt that a turn is taken from. The return is the episode's reward,
-    undiscounted: the reward comes once, at the end, and a discount would favour short episodes,
-    which correctness does not ask for.
-    The prompt is a state every trajectory shares, so the first turn's A^S is GRPO's A^E.
+    steps[i], one float per turn of trajectory i. A node's end is a state (the same tokens up to the
+    start of an assistant turn: the same calls, the same tool results) and its children the turns
+    taken from it. At a state two or more trajectories share, each one's step advantage for the turn
+    it takes there is its return minus the mean return through the state (normalized); at a state
+    seen once it is 0. returns: one float per trajectory, None for one left out. The return is the
+    episode's reward, undiscounted: the reward comes once, at the end, and a discount would favour
+    short episodes, which correctness does not ask for. The prompt is a state every trajectory
+    shares, so the first turn's A^S is GRPO's A^E.
 
     Four trajectories, rewards 1, 0, 1, 0 (no std scaling): all four share the prompt (mean 0.5),
     three of them the state after list_tables (mean 2/3), two the state after describe (0.5):
@@ -123,89 +119,127 @@ def step_advantages(tree, returns, scale_by_std=True):
     >>> from tree import build_tree
     >>> turns = {0: ["list", "describe", "A"], 1: ["list", "describe", "B"], 2: ["list", "C"], 3: ["D"]}
     >>> paths = [[(0, [0], [])] + [(0, [], [{"content": c}]) for c in turns[i]] for i in range(4)]
-    >>> steps, anchors = step_advantages(build_tree(paths), [1.0, 0.0, 1.0, 0.0], scale_by_std=False)
-    >>> [[round(a, 3) for a in s] for s in steps], anchors
-    ([[0.5, 0.333, 0.5], [-0.5, -0.667, -0.5], [0.5, 0.333], [-0.5]], [3, 2])
+    >>> steps = step_advantages(build_tree(paths), [1.0, 0.0, 1.0, 0.0], scale_by_std=False)
+    >>> [[round(a, 3) for a in s] for s in steps]
+    [[0.5, 0.333, 0.5], [-0.5, -0.667, -0.5], [0.5, 0.333], [-0.5]]
     """
-    steps, anchors = {i: [] for i in range(len(returns))}, []
+    steps = {i: [] for i in range(len(returns))}
 
-    def visit(state, past_prompt):
-        through = [i for i in state.rows if returns[i] is not None]
-        # the group's rule among the trajectories through the state (None: seen once, or all equal)
-        [a], _ = group_advantages([[returns[i] for i in through] if len(through) >= 2 else None],
-                                  scale_by_std)
-        anchors.extend([len(through)] * (past_prompt and len(through) >= 2 and bool(state.children)))
-        advantage = dict(zip(through, a or []))
+    def visit(state):
+        through = [i for i in state.through if returns[i] is not None]
+        # the group's rule among the trajectories through the state (0 where one reaches it)
+        advantage = dict(zip(through, normalized([returns[i] for i in through], scale_by_std)
+                             if len(through) >= 2 else [0.0]))
         for turn in state.children:
-            for i in turn.rows:
+            for i in turn.through:
                 steps[i].append(advantage.get(i, 0.0))
-            visit(turn, True)
+            visit(turn)
 
     for prompt in tree.children:
-        visit(prompt, False)
-    return [steps[i] for i in range(len(returns))], anchors
+        visit(prompt)
+    return [steps[i] for i in range(len(returns))]
 
 
-def batch_from_groups(groups, rewards, scale_by_std=True, step_credit=0.0):
-    """From a step's groups and their rewards to what grpo_step takes: (batch, counts).
+def step_credit_advantages(group, rewards, weight=1.0, scale_by_std=True):
+    """GiGPO's estimator: the tokens of trajectory i's turn k get A^E_i + weight * A^S_i,k
+    (grpo_advantages, step_advantages); the prompt's tokens (mask 0) keep A^E. rewards as
+    grpo_advantages'."""
+    episode = grpo_advantages(group, rewards, scale_by_std)
+    steps = step_advantages(group.tree, rewards, scale_by_std)
+    advantages = []
+    for t, a, step in zip(group.trajectories, episode, steps):
+        bounds = [start for start, _ in t.turns] + [len(t.token_ids)]   # turn k: tokens bounds[k]:bounds[k+1]
+        advantages.append(None if a is None else a[:bounds[0]] + [
+            a[0] + weight * s for k, s in enumerate(step) for _ in range(bounds[k + 1] - bounds[k])])
+    return advantages
 
-    groups: agentrl.TrajectoryGroup; rewards: one list per group. batch: [(group, advantages)] for
-    the groups with signal; advantages[i] is trajectory i's A^E (one float every token shares), or,
-    with step_credit w != 0, one float per token: A^E + w * A^S on each turn's tokens
-    (step_advantages); None for a trajectory left out. A trajectory cut on non-finite logits (fp16
-    overflow) is a numeric failure, not an outcome of the policy: it leaves its group before the
-    baseline is taken (a group left with under 2 is unscored). counts: group_advantages' +
-    non_finite_trajectories; the anchor states of the trained groups (step_advantages) and the
-    trajectories through them; their trained tokens past the first turn (whose A^S is A^E), and
-    those whose step advantage is not 0.
-    """
+
+@dataclass
+class Batch:
+    """What one update takes: a step's groups, each trajectory's advantages, the normalizer's counts."""
+    groups: list                 # agentrl.TrajectoryGroup: the step's kept groups, each tree forwarded once
+    advantages: list             # advantages[g][i]: (T,) floats, trajectory i of group g; None: not trained
+    num_sequences: int           # the WHOLE step's trained trajectories (all processes: parallel.grpo_step)
+    num_tokens: int              # and their trained tokens (policy_loss's normalizers divide by these)
+    max_tokens: int              # Dr. GRPO's constant: the generation budget, or the step's longest
+
+    def trained(self):
+        """(group, index) of every trajectory with advantages, in order."""
+        return [(g, i) for g, advs in zip(self.groups, self.advantages) for i, a in enumerate(advs) if a]
+
+
+def make_batch(groups, rewards, estimator=grpo_advantages, max_tokens=None):
+    """A step's groups and rewards as grpo_step's Batch, and counts of each kind of group.
+    estimator(group, rewards) -> one (T,) list per trajectory, None for one left out: grpo_advantages,
+    step_credit_advantages (functools.partial), or a fork's. A trajectory cut on non-finite logits
+    (fp16 overflow) failed numerically, not as a policy: its reward is None before the estimator sees
+    it; a group left with under 2 (too_small_groups) or all advantages 0 (no_signal_groups): untrained."""
     assert len(groups) == len(rewards), "one list of rewards per group"
-    kept = [[i for i, t in enumerate(g.trajectories) if t.stop_reason != "non_finite_logits"] for g in groups]
-    kept_rewards = [[rs[i] for i in ks] if len(ks) >= 2 else None for rs, ks in zip(rewards, kept)]
-    advantages, counts = group_advantages(kept_rewards, scale_by_std=scale_by_std)
-    batch, anchors, tokens, credited = [], [], 0, 0
-    for group, ks, rs, adv in zip(groups, kept, rewards, advantages):
-        if adv is None:
-            continue
-        episode = dict(zip(ks, adv))
-        steps, sizes = step_advantages(group.tree, [rs[i] if i in episode else None
-                                                    for i in range(len(rs))], scale_by_std)
-        anchors += sizes
-        per_token = []
-        for i, t in enumerate(group.trajectories):
-            bounds = [start for start, _ in t.turns] + [len(t.token_ids)]   # turn k: bounds[k]:bounds[k+1]
-            step = [0.0] * bounds[0] + [a for k, a in enumerate(steps[i])
-                                        for _ in range(bounds[k + 1] - bounds[k])]
-            assert len(steps[i]) == len(t.turns) and len(step) == len(t.token_ids), "a value a turn, a token"
-            later = bounds[min(1, len(bounds) - 1)]   # where the second turn starts (the first's A^S is A^E)
-            if i in episode:
-                tokens += sum(t.assistant_mask[later:])
-                credited += sum(m and a != 0 for m, a in zip(t.assistant_mask[later:], step[later:]))
-            per_token.append(None if i not in episode else [episode[i] + step_credit * a for a in step]
-                             if step_credit else episode[i])
-        batch.append((group, per_token))
-    counts["non_finite_trajectories"] = sum(len(g.trajectories) - len(ks) for g, ks in zip(groups, kept))
-    counts.update(anchor_states=len(anchors), anchor_trajectories=sum(anchors), credited_tokens=credited,
-                  trained_tokens=tokens)
-    return batch, counts
+    counts = {"groups": len(groups), "trainable_groups": 0, "no_signal_groups": 0, "too_small_groups": 0,
+              "non_finite_trajectories": 0}
+    advantages = []
+    for group, group_rewards in zip(groups, rewards):
+        kept = [None if t.stop_reason == "non_finite_logits" else r
+                for t, r in zip(group.trajectories, group_rewards)]
+        counts["non_finite_trajectories"] += kept.count(None)
+        given = estimator(group, kept) if len(kept) - kept.count(None) >= 2 else None
+        signal = given is not None and any(v for a in given if a is not None for v in a)
+        counts["trainable_groups" if signal else "no_signal_groups" if given else "too_small_groups"] += 1
+        advantages.append(given if signal else [None] * len(group.trajectories))
+    assert all(math.isfinite(v) for advs in advantages for a in advs if a for v in a), "non-finite advantage"
+    masks = [sum(g.trajectories[i].assistant_mask) for g, advs in zip(groups, advantages)
+             for i, a in enumerate(advs) if a]
+    return Batch(groups, advantages, len(masks), sum(masks), max_tokens or max(masks, default=0)), counts
 
 
-# ---------------------------------------------------------------- 2) the loss
+# ---------------------------------------------------------------- 2) the loss, in parts
 def masked_mean(x, mask):
     """The mean of x over the positions where mask is 1 (0 where there are none)."""
     return (x * mask).sum() / mask.sum().clamp(min=1)
 
 
+def clipped_surrogate(logprobs, old_logprobs, advantages, mask, clip_low=0.2, clip_high=0.28):
+    """PPO's per-token loss -min(r A, clip(r, 1 - clip_low, 1 + clip_high) A), r = pi / pi_old:
+    returns (loss (B, T), ratio (B, T), log_ratio (B, T)), all 0 / 1 / 0 where mask is 0."""
+    # Masked positions get log-ratio 0 before exp: prompt tokens have old logprob 0, and exp of a
+    # large difference would overflow to inf, and inf * 0 is nan.
+    log_ratio = (logprobs - old_logprobs) * mask  # (B, T)
+    ratio = torch.exp(log_ratio)  # (B, T) pi_theta / pi_old per token
+    # PPO's pessimistic bound (Schulman et al. 2017, arXiv:1707.06347), with DAPO's asymmetric
+    # range. The clip only bites when it lowers the objective: r > 1 + eps_high for A > 0,
+    # r < 1 - eps_low for A < 0; there the gradient is 0. A wider eps_high lets unlikely tokens with
+    # A > 0 grow (less entropy collapse).
+    loss = -torch.minimum(ratio * advantages, ratio.clamp(1 - clip_low, 1 + clip_high) * advantages)
+    return loss * mask, ratio, log_ratio
+
+
+def k3_kl(logprobs, ref_logprobs, mask):
+    """(B, T) k3 estimate of KL(pi_theta || pi_ref) from samples of pi_theta: with log_r = ref - logp,
+    exp(log_r) - log_r - 1 is unbiased and never negative (Schulman, "Approximating KL divergence",
+    http://joschu.net/blog/kl-approx.html); GRPO adds it to the loss."""
+    log_r = (ref_logprobs - logprobs) * mask
+    return torch.exp(log_r) - log_r - 1
+
+
+def aggregate(per_token, mask, aggregation, num_sequences, num_tokens, max_tokens):
+    """The one normalizer choice: loss = sum over trained tokens of weight * per_token, the counts
+    those of the WHOLE step, so micro-batches' losses and gradients add up to the step's."""
+    if aggregation == "token":      # DAPO: every trained token of the step weighs the same
+        weights = mask / num_tokens
+    elif aggregation == "sequence":  # original GRPO: mean over each sequence, then over sequences
+        weights = mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_sequences)
+    else:   # "constant", Dr. GRPO: no length-dependent normalizer, so no bias toward long wrong answers
+        weights = mask / (num_sequences * max_tokens)
+    return (per_token * weights).sum()
+
+
 def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_high=0.28,
                 aggregation="token", num_sequences=None, num_tokens=None, max_tokens=None,
                 kl_coef=0.0, ref_logprobs=None):
-    """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats).
-
-    logprobs (B, T) current policy (with grad); old_logprobs (B, T) rollout policy; advantages
-    (B,), one a trajectory, or (B, T), one a token (step credit); mask (B, T) 1 on trained tokens;
-    ref_logprobs (B, T) reference policy, for the KL.
-    num_sequences / num_tokens: the WHOLE step's counts (default: this batch's), so micro-batch
-    losses and gradients add up to the step's. stats: means over the trained tokens.
+    """Clipped policy-gradient loss over the trained tokens of a batch; returns (loss, stats), the
+    stats means over trained tokens. All (B, T): logprobs the current policy's (with grad),
+    old_logprobs the rollout's, advantages, mask (1: trained), ref_logprobs the reference's (for
+    kl_coef > 0). num_*, max_tokens: the WHOLE step's counts (Batch; default: this batch's).
 
     Four trajectories of one trained token each, advantages +1, +1, -1, -1, and a policy that has
     moved since the rollout: ratios pi/pi_old of 1, 1.5, 1 and 0.5. Per token, -min(r A, clip(r) A)
@@ -214,47 +248,19 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
 
     >>> old = torch.zeros(4, 1)                                       # log pi_old of each token
     >>> new = torch.tensor([[1.0], [1.5], [1.0], [0.5]]).log()         # log pi: ratios 1, 1.5, 1, 0.5
-    >>> loss, stats = policy_loss(new, old, torch.tensor([1.0, 1.0, -1.0, -1.0]), torch.ones(4, 1))
+    >>> loss, stats = policy_loss(new, old, torch.tensor([[1.0], [1.0], [-1.0], [-1.0]]), torch.ones(4, 1))
     >>> round(loss.item(), 4), stats["clip_frac_high"], stats["clip_frac_low"]
     (-0.12, 0.25, 0.25)
     """
-    assert aggregation in AGGREGATIONS, f"aggregation must be one of {AGGREGATIONS}, got {aggregation!r}"
-    assert logprobs.shape == old_logprobs.shape == mask.shape, "shape mismatch"
-    assert advantages.shape in (mask.shape[:1], mask.shape), "one advantage per sequence, or per token"
-    assert kl_coef == 0 or ref_logprobs is not None, "kl_coef > 0 needs ref_logprobs"
-    mask = mask.float()
-    adv = advantages.float()  # (B, T), or (B,) when every token of a trajectory shares its advantage:
-    adv = adv[:, None] if adv.dim() == 1 else adv  # (B, 1), broadcast over the tokens
-    # Masked positions get log-ratio 0 before exp: prompt tokens have old logprob 0, and exp of a
-    # large difference would overflow to inf, and inf * 0 is nan.
-    log_ratio = (logprobs - old_logprobs) * mask  # (B, T)
-    ratio = torch.exp(log_ratio)  # (B, T) pi_theta / pi_old per token
-    # PPO's pessimistic bound (Schulman et al. 2017, arXiv:1707.06347), with DAPO's asymmetric
-    # range: maximize min(r A, clip(r, 1 - eps_low, 1 + eps_high) A). The clip only bites when it
-    # lowers the objective: r > 1 + eps_high for A > 0, r < 1 - eps_low for A < 0; there the
-    # gradient is 0. A wider eps_high lets unlikely tokens with A > 0 grow (less entropy collapse).
-    per_token = -torch.minimum(ratio * adv, ratio.clamp(1 - clip_low, 1 + clip_high) * adv)  # (B, T)
-    kl = None
-    if ref_logprobs is not None:
-        # k3 estimator of KL(pi_theta || pi_ref) from samples of pi_theta: with log_r = ref - logp,
-        # exp(log_r) - log_r - 1 is unbiased and never negative (Schulman, "Approximating KL
-        # divergence", http://joschu.net/blog/kl-approx.html); GRPO uses it as a loss term.
-        log_r = (ref_logprobs - logprobs) * mask
-        kl = torch.exp(log_r) - log_r - 1  # (B, T)
+    assert logprobs.shape == old_logprobs.shape == advantages.shape == mask.shape, "shape mismatch"
+    assert aggregation != "constant" or max_tokens, "aggregation='constant' needs max_tokens"
+    mask, adv = mask.float(), advantages.float()
+    per_token, ratio, log_ratio = clipped_surrogate(logprobs, old_logprobs, adv, mask, clip_low, clip_high)
+    kl = k3_kl(logprobs, ref_logprobs, mask) if kl_coef else None   # (B, T)
+    if kl is not None:
         per_token = per_token + kl_coef * kl
-
-    # Aggregation: the one normalizer choice, loss = sum over trained tokens of weight * per_token.
-    num_sequences = num_sequences or mask.shape[0]
-    num_tokens = num_tokens or mask.sum()
-    if aggregation == "token":  # DAPO: every trained token of the step weighs the same
-        weights = mask / num_tokens
-    elif aggregation == "sequence":  # original GRPO: mean over each sequence, then over sequences
-        weights = mask / (mask.sum(-1, keepdim=True).clamp(min=1) * num_sequences)
-    else:  # "constant", Dr. GRPO: no length-dependent normalizer, so no bias toward long wrong answers
-        assert max_tokens, "aggregation='constant' needs max_tokens"
-        weights = mask / (num_sequences * max_tokens)
-    loss = (per_token * weights).sum()
-
+    loss = aggregate(per_token, mask, aggregation, num_sequences or mask.shape[0], num_tokens or mask.sum(),
+                     max_tokens)
     with torch.no_grad():
         stats = {
             "clip_frac_low": masked_mean(((ratio < 1 - clip_low) & (adv < 0)).float(), mask).item(),
@@ -269,28 +275,14 @@ def policy_loss(logprobs, old_logprobs, advantages, mask, *, clip_low=0.2, clip_
 
 
 def sampled_entropy(trajectories):
-    """The policy's entropy, estimated as the mean of -log p(sampled token) over trained tokens
-    (read from the rollouts: no full-vocabulary pass; see the module docstring)."""
+    """The sampled policy's entropy, estimated as the mean of -log p(sampled token) over trained
+    tokens (read from the rollouts: no full-vocabulary pass)."""
     tokens = sum(sum(t.assistant_mask) for t in trajectories)
     total = sum(sum(lp * m for lp, m in zip(t.sampled_logprobs, t.assistant_mask)) for t in trajectories)
     return -total / max(1, tokens)
 
 
-def normalizer_counts(batch, config):
-    """The counts the loss normalizer divides by (policy_loss): sequences and trained tokens of
-    the whole step, forwarded or not, and Dr. GRPO's constant (the step's longest if not set)."""
-    masks = [sum(t.assistant_mask) for group, advantages in batch
-             for t, a in zip(group.trajectories, advantages) if a is not None]
-    return {"num_sequences": len(masks), "num_tokens": sum(masks),
-            "max_tokens": config.max_tokens or max(masks, default=0)}
-
-
 # ---------------------------------------------------------------- 3) one optimizer step
-def _values(advantages):
-    """The advantages of a group's trajectories as numbers: a trajectory's one, or each of its tokens'."""
-    return [v for a in advantages if a is not None for v in (a if isinstance(a, list) else [a])]
-
-
 def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     """Clip the gradient norm and step, unless it is not finite; returns the norm (before clipping).
     The gradients are unscaled first; on an inf/nan nothing is stepped, and an enabled scaler's
@@ -304,50 +296,43 @@ def _clip_and_step(optimizer, max_grad_norm, scaler) -> float:
     return grad_norm
 
 
-def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, counts=None,
-              sum_processes=None):
-    """One optimizer step on `batch` (batch_from_groups) for the LoRA parameters in `optimizer`.
-    reference_context: under it `model` is the KL reference (kl_coef > 0); scaler: a GradScaler,
-    a pass-through unless fp16. Returns floats for logging. Data parallel (parallel.grpo_step):
-    `counts` are the whole step's, and `sum_processes(optimizer, numbers)` sums the gradients and
-    the numbers over the processes, so that all take the same decision."""
-    assert all(math.isfinite(v) for _, adv in batch for v in _values(adv)), "non-finite advantage"
-    assert config.kl_coef == 0 or reference_context is not None, "kl_coef > 0 needs a reference_context"
+def grpo_step(model, optimizer, batch, config, scaler, reference=None, sum_processes=None):
+    """One optimizer step on `batch` (make_batch) for the LoRA parameters in `optimizer`; returns floats
+    for logging. reference: a context under which `model` is the KL reference (kl_coef > 0); scaler:
+    a GradScaler, a pass-through unless fp16. sum_processes(optimizer, numbers) (parallel.grpo_step):
+    sums the gradients and the numbers over the processes, so that all decide alike."""
+    assert config.kl_coef == 0 or reference is not None, "kl_coef > 0 needs a reference"
     device = next(model.parameters()).device
-    norm = counts or normalizer_counts(batch, config)  # over the WHOLE step (see policy_loss)
-    trained = [t for group, adv in batch for t, a in zip(group.trajectories, adv) if a is not None]
+    trained = [group.trajectories[i] for group, i in batch.trained()]
     stats = {"loss": 0.0, "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
              "sequences": len(trained), "tokens": sum(sum(t.assistant_mask) for t in trained),
              "forwarded_sequences": 0, "forwarded_tokens": 0, "entropy": sampled_entropy(trained)}
     averaged = ["clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old"] + ["kl"] * (config.kl_coef > 0)
     sums = dict.fromkeys(averaged, 0.0)    # token-weighted sums over the micro-batches
-    mbs = config.micro_batch_size
-
-    def logprobs_of(group, part):    # (B, T): the trajectories `part` of a group, one forward over their tree
-        return forward.tree_logprobs(model, group.tree, group.trajectories, part, config.chunk_size)
-
     autocast = torch.autocast(device.type, dtype=config.amp_dtype, enabled=config.amp_dtype is not None)
     optimizer.zero_grad(set_to_none=True)
     try:
         with forward.training(model, config.gradient_checkpointing):
-            for group, advantages in batch:
-                # A zero-advantage trajectory has per-token loss -min(r * 0, clip(r) * 0) = 0 and no
-                # gradient, and is in the normalizer already: not forwarded, unless a KL term pulls it.
-                rows = [i for i, (t, a) in enumerate(zip(group.trajectories, advantages)) if a is not None
-                        and sum(t.assistant_mask) and (any(_values([a])) or config.kl_coef > 0)]
-                for part in [rows[k:k + mbs] for k in range(0, len(rows), mbs)]:
-                    picked = [group.trajectories[i] for i in part]
-                    b = forward.collate(picked, [advantages[i] for i in part], device)
-                    ref_logprobs = None
-                    if config.kl_coef > 0:   # the reference first: its context may swap weights in place
-                        with torch.no_grad(), reference_context, autocast:
-                            ref_logprobs = logprobs_of(group, part)
+            for group, advantages in zip(batch.groups, batch.advantages):
+                # A = 0: loss -min(r 0, clip(r) 0) = 0, no gradient (counted): not forwarded, unless for KL
+                picked = [i for i, a in enumerate(advantages)
+                          if a and sum(group.trajectories[i].assistant_mask) and (any(a) or config.kl_coef)]
+                mbs = config.micro_batch_size
+                for part in [picked[k:k + mbs] for k in range(0, len(picked), mbs)]:
+                    b = forward.collate([group.trajectories[i] for i in part], [advantages[i] for i in part],
+                                        device)
+                    args = model, group.tree, group.trajectories, part, config.chunk_size, config.temperature
                     with autocast:
-                        logprobs = logprobs_of(group, part)
+                        ref_logprobs = None
+                        if config.kl_coef > 0:   # the reference first: its context may swap weights in place
+                            with torch.no_grad(), reference:
+                                ref_logprobs = forward.tree_logprobs(*args)
+                        logprobs = forward.tree_logprobs(*args)       # (B, T)
                     loss, s = policy_loss(logprobs, b["old_logprobs"], b["advantages"], b["mask"],
                                           clip_low=config.clip_low, clip_high=config.clip_high,
                                           aggregation=config.aggregation, kl_coef=config.kl_coef,
-                                          ref_logprobs=ref_logprobs, **norm)
+                                          ref_logprobs=ref_logprobs, num_sequences=batch.num_sequences,
+                                          num_tokens=batch.num_tokens, max_tokens=batch.max_tokens)
                     if not torch.isfinite(loss):  # fp16 overflow or a bad rollout log-prob: no update
                         stats.update(skipped=True, skip_reason=f"non-finite loss ({loss.item()})")
                         break
@@ -376,12 +361,13 @@ def grpo_step(model, optimizer, batch, config, scaler, reference_context=None, c
 
 # ---------------------------------------------------------------- 4) supervised steps
 def sft_step(model, optimizer, trajectories, config, scaler):
-    """One supervised step: maximize log p of the assistant tokens of demonstration trajectories,
-    with the RL step's tokens, masks, forward and precision, so a warm start teaches exactly the
-    format rollouts produce; the turns the trajectories of one task share (agentrl.make_group) are
-    forwarded once. Loss = -(sum of masked log-probs) / (trained tokens of the whole step), so
-    micro-batches accumulate to the full-batch gradient. A non-finite loss or gradient skips the step. Returns
-    {sft_loss, grad_norm, tokens, skipped} or {sft_loss, skipped, skip_reason}.
+    """One supervised step: maximize log p of the assistant tokens of demonstration trajectories
+    (at temperature 1: the model itself), with the RL step's tokens, masks, forward and precision,
+    so a warm start teaches exactly the format rollouts produce; the turns the trajectories of one
+    task share (agentrl.make_group) are forwarded once. Loss = -(sum of masked log-probs) / (trained
+    tokens of the whole step), so micro-batches accumulate to the full-batch gradient. A non-finite
+    loss or gradient skips the step. Returns {sft_loss, grad_norm, tokens, skipped} or
+    {sft_loss, skipped, skip_reason}.
     """
     num_tokens = sum(sum(t.assistant_mask) for t in trajectories)
     assert num_tokens > 0, "SFT needs trajectories with trained (assistant) tokens"
@@ -393,11 +379,12 @@ def sft_step(model, optimizer, trajectories, config, scaler):
         with forward.training(model, config.gradient_checkpointing):
             # the trajectories of one prompt (one task) are packed together, mbs at a time; those of
             # different tasks share only the system prompt, so each goes alone, the causal way
-            parts = [node.rows[k:k + mbs] for node in tree.children for k in range(0, len(node.rows), mbs)]
+            parts = [node.through[k:k + mbs] for node in tree.children
+                     for k in range(0, len(node.through), mbs)]
             for part in parts:
                 with autocast:
                     logprobs = forward.tree_logprobs(model, tree, trajectories, part, config.chunk_size)
-                mask = forward.collate([trajectories[i] for i in part], [0.0] * len(part), device)["mask"]
+                mask = forward.collate([trajectories[i] for i in part], None, device)["mask"]
                 loss = -(logprobs * mask).sum() / num_tokens
                 if not torch.isfinite(loss):
                     return {"sft_loss": loss.item(), "skipped": True, "skip_reason": "non-finite loss"}
@@ -411,3 +398,12 @@ def sft_step(model, optimizer, trajectories, config, scaler):
     finally:
         optimizer.zero_grad(set_to_none=True)
 
+
+def rft_step(model, optimizer, batch, config, scaler, reference=None, sum_processes=None):
+    """The control GRPO is measured against, in grpo_step's place (train.py --update rft):
+    rejection-sampling fine-tuning, sft_step on the batch's correct rollouts, right or not alone in
+    their group. reference and sum_processes: grpo_step's, unused (one process, no KL)."""
+    correct = [t for g in batch.groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
+    if not correct:
+        return {"skipped": True, "skip_reason": "no correct rollout"}
+    return sft_step(model, optimizer, correct, config, scaler)

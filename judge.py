@@ -122,7 +122,7 @@ def judge_ids(tree) -> list[int]:
     ends = {}
 
     def walk(node):
-        ends.update(dict.fromkeys(node.rows, node))     # a row's deepest node is its end
+        ends.update(dict.fromkeys(node.through, node))     # a row's deepest node is its end
         for child in node.children:
             walk(child)
 
@@ -139,10 +139,10 @@ def serialize(tree, ids) -> str:
     def walk(node):
         for child in node.children:
             messages = list(child.messages)
-            while len(child.children) == 1 and child.children[0].rows == child.rows:
+            while len(child.children) == 1 and child.children[0].through == child.through:
                 child = child.children[0]
                 messages += child.messages
-            blocks.append(render_block(sorted({ids[r] for r in child.rows}), messages))
+            blocks.append(render_block(sorted({ids[r] for r in child.through}), messages))
             walk(child)
 
     walk(tree)

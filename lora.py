@@ -265,12 +265,13 @@ class lora_weights:
 
     `reference = lora_weights(model, lora_state(model))` keeps a copy of the adapter as it is now
     (A and B are a fraction of a percent of the model); `with reference: ...` swaps that copy in
-    and the live weights back out on leaving. Re-entrant, like lora_disabled. The swap writes
-    into the parameters in place: enter it before a forward whose graph a backward will use
-    (grpo_step computes the reference log-probs first), never between the two."""
+    and the live weights back out on leaving. Reusable and re-entrant, like lora_disabled: a nested
+    `with` changes nothing (only the outermost swaps). The swap writes into the parameters in
+    place: enter it before a forward whose graph a backward will use (grpo_step computes the
+    reference log-probs first), never between the two."""
 
     def __init__(self, model, state):
-        self.model, self.state = model, state
+        self.model, self.state, self.depth = model, state, 0
 
     def _swap(self):
         with torch.no_grad():
@@ -280,11 +281,15 @@ class lora_weights:
                 saved.copy_(live)
 
     def __enter__(self):
-        self._swap()
+        self.depth += 1
+        if self.depth == 1:
+            self._swap()
         return self.model
 
     def __exit__(self, *exc):
-        self._swap()
+        self.depth -= 1
+        if self.depth == 0:
+            self._swap()
 
 
 def lora_state(model, folder=None) -> list[torch.Tensor]:
@@ -298,16 +303,12 @@ def lora_state(model, folder=None) -> list[torch.Tensor]:
 
 
 class lora_merged:
-    """Generate with W + scale * B A folded into one weight per layer (fp32), no gradient: the same
-    function as the LoRA forward up to rounding, one matmul per layer instead of three. Each merged
-    layer holds a copy of its weight until the context ends. Layers whose weight is not fp32 (or
-    that train with dropout) keep the LoRA path: folding a small update into fp16/bf16 weights
-    would round it away. Nested, an inner context leaves the layers an outer one merged as they
-    are: merge once before forking (parallel.forked), and the children share those weights.
-
-    dtype: the folded weights' precision (None: fp32). torch.bfloat16 halves the bytes a decode
-    step reads, but keeps about three significant digits, so the logits move: the policy that
-    generates is then slightly different from the fp32 one (train.py --eval-dtype)."""
+    """Generate with W + scale * B A folded into one weight per layer, no gradient: the LoRA forward up
+    to rounding, one matmul a layer instead of three; each merged layer holds a copy until the context
+    ends. Layers whose weight is not fp32 (folding would round a small update away) or that train
+    with dropout keep the LoRA path. Nested, an inner context leaves an outer one's layers as they
+    are (merge once before forking: parallel.forked's children share those weights). dtype: the
+    folded weights' (None: fp32); bf16 halves a decode step's bytes and moves the logits slightly."""
 
     def __init__(self, model, dtype=None):
         self.model, self.dtype = model, dtype or torch.float32

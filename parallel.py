@@ -12,7 +12,7 @@ What is synchronized, and what is not:
   share (`shard`); it rolls them out with a seed of its own, scores them with its own judge
   (or its requests go to the one HTTP endpoint), and computes its groups' advantages: a group
   lives whole on one process, and its advantages need nothing from the others.
-- The update: the loss is normalized by the whole step's counts (`sum_counts`), so the losses
+- The update: the loss is normalized by the whole step's counts (`grpo_step`), so the losses
   of all processes add up to the loss of one process holding every group; the LoRA gradients
   are then summed in one all-reduce (`sum_gradients`), and every process takes the same
   optimizer step from the same state, so the adapters stay identical.
@@ -36,6 +36,7 @@ Simplification: the supervised warm start (--sft-steps) is not split: every proc
 same one, and share_state then hands rank 0's result to all.
 """
 import contextlib
+import dataclasses
 import datetime
 import io
 import multiprocessing
@@ -133,15 +134,6 @@ def all_reduce(tensor):
     _collective(dist.all_reduce, tensor)
 
 
-def sum_counts(counts):
-    """grpo.normalizer_counts of the whole step: sequences and tokens added up over the
-    processes, Dr. GRPO's constant the largest of them."""
-    everyone = gather(counts)
-    return {"num_sequences": sum(c["num_sequences"] for c in everyone),
-            "num_tokens": sum(c["num_tokens"] for c in everyone),
-            "max_tokens": max(c["max_tokens"] for c in everyone)}
-
-
 def sum_gradients(optimizer, numbers, all_reduce=all_reduce):
     """Replace each LoRA gradient by its sum over the processes, and sum `numbers` with them, in one
     all-reduce of one flat tensor; returns the summed numbers, so every process takes the same
@@ -158,17 +150,19 @@ def sum_gradients(optimizer, numbers, all_reduce=all_reduce):
     return flat[-len(numbers):].tolist()
 
 
-def grpo_step(model, optimizer, batch, config, scaler, reference_context=None):
+def grpo_step(model, optimizer, batch, config, scaler, reference=None):
     """grpo.grpo_step on this process's share of the step (batch: its groups), as one process
-    holding every group would take it: the loss normalized by the whole step's counts
-    (sum_counts), the gradients summed over the processes. Every process steps, with a share or
-    with nothing, so the adapters stay identical; a step with no trainable row anywhere is skipped
-    everywhere."""
-    counts = sum_counts(grpo.normalizer_counts(batch, config))
-    if not counts["num_sequences"]:
+    holding every group would take it: the loss normalized by the whole step's counts (summed
+    here), the gradients summed over the processes (sum_gradients). Every process steps, with a
+    share or with nothing, so the adapters stay identical; a step with no trainable row anywhere is
+    skipped everywhere."""
+    everyone = gather((batch.num_sequences, batch.num_tokens, batch.max_tokens))
+    whole = dataclasses.replace(batch, num_sequences=sum(n for n, _, _ in everyone),   # Dr. GRPO's constant:
+                                num_tokens=sum(t for _, t, _ in everyone),         # the largest
+                                max_tokens=max(m for _, _, m in everyone))
+    if not whole.num_sequences:
         return {"skipped": True, "skip_reason": "no trainable group"}
-    return grpo.grpo_step(model, optimizer, batch, config, scaler, reference_context=reference_context,
-                          counts=counts, sum_processes=sum_gradients)
+    return grpo.grpo_step(model, optimizer, whole, config, scaler, reference, sum_processes=sum_gradients)
 
 
 def merge_update_stats(per_process):
@@ -193,20 +187,26 @@ def merge_update_stats(per_process):
     return merged
 
 
-def gather_step(groups, rewards, results, counts, stats, judge_failed, times):
-    """A training step as one process holding all its groups would have seen it: every process's
-    groups, rewards and judge results in rank order (the order of the step's tasks), group counts
-    and judge failures added up, the update's stats merged, and each time the slowest process's
-    (the others wait for it at the update). In one process: the arguments as they are."""
+def gather_step(step):
+    """A training step (train.Step) as one process holding all its groups would have seen it: every
+    process's rolled-out and kept groups, with their rewards, judge results and advantages, in rank
+    order (the order of the step's tasks), group counts and judge failures added up, the update's
+    stats merged, and each time the slowest process's (the others wait for it at the update). In
+    one process: the step as it is."""
     if world_size() == 1:
-        return groups, rewards, results, counts, stats, judge_failed, times
-    shares = gather((groups, rewards, results, counts, stats, judge_failed, times))
-    groups, rewards, results = ([x for share in shares for x in share[i]] for i in range(3))
-    counts = {key: sum(share[3][key] for share in shares) for key in counts}
-    stats = merge_update_stats([share[4] for share in shares])
-    judge_failed = sum(share[5] for share in shares)
-    times = {key: max(share[6][key] for share in shares) for key in times}
-    return groups, rewards, results, counts, stats, judge_failed, times
+        return step
+    shares = gather(step)
+
+    def joined(name):
+        return [x for share in shares for x in getattr(share, name)]
+
+    return dataclasses.replace(
+        step, pass_rates=joined("pass_rates"), groups=joined("groups"), rewards=joined("rewards"),
+        results=joined("results"), advantages=joined("advantages"),
+        judge_failed=sum(s.judge_failed for s in shares),
+        counts={key: sum(s.counts[key] for s in shares) for key in step.counts},
+        stats=merge_update_stats([s.stats for s in shares]),
+        times={key: max(s.times[key] for s in shares) for key in step.times})
 
 
 def forked(function, items, processes):

@@ -219,6 +219,8 @@ def render_trajectory(record, messages, number_in_group, judge_number, prefix_le
         if i >= prefix_length:
             parts.append(render_message(message, turn))
     correct, advantage = bool(record.get("correct")), record.get("advantage")
+    if isinstance(advantage, list) and len(set(advantage)) == 1:
+        advantage = advantage[0]                  # every turn the same: GRPO's one a trajectory
     per_turn = isinstance(advantage, list)        # with --step-credit: A^E + w * A^S, a turn each
     known = isinstance(advantage, (int, float)) or per_turn and advantage
     mean = sum(advantage) / len(advantage) if per_turn and advantage else advantage
@@ -258,13 +260,15 @@ def render_tree(records, conversations, prefix) -> str:
                 items += below
                 continue
             items.append(f"<li><code>{esc(child.messages[0]['content'][:100])}</code> &middot; "
-                         f"{len(child.rows)} {'trajectories' if len(child.rows) > 1 else 'trajectory'}, mean "
-                         f"reward {mean_reward(child.rows)}" + (f"<ul>{''.join(below)}</ul>" if below else "")
+                         f"{len(child.through)} trajector{'ies' if len(child.through) > 1 else 'y'}, "
+                         f"mean reward {mean_reward(child.through)}"
+                         + (f"<ul>{''.join(below)}</ul>" if below else "")
                          + "</li>")
         return items
 
     return (f'<details class="turns"><summary>the group as a tree of turns (mean reward '
-            f'{mean_reward(tree.rows)})</summary><ul class="tree">{"".join(turns(tree, 0))}</ul></details>')
+            f'{mean_reward(tree.through)})</summary><ul class="tree">{"".join(turns(tree, 0))}</ul>'
+            '</details>')
 
 
 def render_group(records, step, g) -> str:
@@ -476,31 +480,54 @@ def append_jsonl(path, record):
         f.write(json.dumps(record) + "\n")
 
 
-def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
-    """One step's metrics, the record in metrics.jsonl (step_line prints the gist). groups and
-    rewards: the groups kept for the update; pass_rates: every rolled-out group's [(task, rate)]
-    (with --branching over all its rows, the branched ones included, as the choice of groups reads it);
-    counts: from grpo.batch_from_groups; stats: from the update; extra: judge failures and times."""
-    trajectories = [t for g in groups for t in g.trajectories]
-    flat_rewards = [r for rs in rewards for r in rs]
+def shared_states(groups):
+    """Where step credit has turns to compare: the states past the prompt from which two or more of a
+    group's trajectories take their next turn (grpo.step_advantages), as (their sizes, the turns taken
+    past each trajectory's first, those of them taken from such a state)."""
+    sizes, later = [], 0
+
+    def visit(state, past_prompt):
+        nonlocal later
+        taking = sum(len(turn.through) for turn in state.children)
+        if past_prompt:
+            later += taking
+            sizes.extend([taking] * (taking >= 2))
+        for turn in state.children:
+            visit(turn, True)
+
+    for group in groups:
+        for prompt in group.tree.children:
+            visit(prompt, False)
+    return sizes, later, sum(sizes)
+
+
+def step_record(step, **extra):
+    """One step's metrics, the record in metrics.jsonl (step_line prints the gist), from what the step
+    did (train.Step): its kept groups and their rewards, every rolled-out group's pass rate (with
+    --branching over all its rows, as the choice of groups reads it), make_batch's counts, the
+    update's stats, the judge's results and the times; extra: more figures (frontier_tasks)."""
+    trajectories = [t for g in step.groups for t in g.trajectories]
+    flat_rewards = [r for rs in step.rewards for r in rs]
     reward_mean = sum(flat_rewards) / len(flat_rewards)
+    sizes, later_turns, shared_turns = shared_states(step.groups)
     return {
-        "step": step,
+        "step": step.number,
         "reward_mean": reward_mean,
         "reward_std": (sum((r - reward_mean) ** 2 for r in flat_rewards) / len(flat_rewards)) ** 0.5,
-        "train_accuracy": sum(rate for _, rate in pass_rates) / len(pass_rates),  # every candidate's rollouts
-        "candidate_groups": len(pass_rates),
-        "mixed_candidates": sum(0 < rate < 1 for _, rate in pass_rates),
-        "trainable_groups": counts["trainable_groups"],
-        "mixed_group_rate": counts["trainable_groups"] / len(groups),
-        "zero_variance_groups": counts["zero_variance_groups"],
-        "non_finite_trajectories": counts["non_finite_trajectories"],
-        # the states past the prompt that 2+ trajectories of a trained group share and act from
-        # (grpo.step_advantages), and the share of trained tokens past the first turn they credit
-        "anchor_states": counts["anchor_states"],
-        "anchor_size": counts["anchor_trajectories"] / max(1, counts["anchor_states"]),
-        "step_credit_share": counts["credited_tokens"] / max(1, counts["trained_tokens"]),
-        "submitted_groups": len(groups),
+        # every rolled-out candidate's
+        "train_accuracy": sum(rate for _, rate in step.pass_rates) / len(step.pass_rates),
+        "candidate_groups": len(step.pass_rates),
+        "mixed_candidates": sum(0 < rate < 1 for _, rate in step.pass_rates),
+        "trainable_groups": step.counts["trainable_groups"],
+        "mixed_group_rate": sum(0 < sum(t.correct for t in g.trajectories) < len(g.trajectories)
+                                for g in step.groups) / len(step.groups),
+        "no_signal_groups": step.counts["no_signal_groups"],
+        "too_small_groups": step.counts["too_small_groups"],
+        "non_finite_trajectories": step.counts["non_finite_trajectories"],
+        "shared_states": len(sizes),                       # of the kept groups (shared_states)
+        "shared_state_size": sum(sizes) / max(1, len(sizes)),
+        "shared_turn_share": shared_turns / max(1, later_turns),
+        "submitted_groups": len(step.groups),
         "kept_accuracy": sum(t.correct for t in trajectories) / len(trajectories),   # the groups trained on
         "mean_turns": sum(t.num_turns for t in trajectories) / len(trajectories),
         "tool_error_rate": sum(t.num_tool_errors for t in trajectories)
@@ -509,8 +536,9 @@ def step_record(step, groups, rewards, counts, stats, pass_rates, **extra):
         "gen_tokens": sum(sum(t.assistant_mask) for t in trajectories),
         # every rollout's, trained or not (stats' entropy: the trained)
         "rollout_entropy": grpo.sampled_entropy(trajectories),
-        **extra,
-        **{k: v for k, v in stats.items() if isinstance(v, (int, float, bool, str))},
+        "judge_failed_groups": step.judge_failed, **judge_counters(step.results),
+        **judge_agreement(step.groups, step.results), **step.times, **extra,
+        **{k: v for k, v in step.stats.items() if isinstance(v, (int, float, bool, str))},
     }
 
 
@@ -530,29 +558,31 @@ def step_line(record, steps):
             f"mixed groups {record['mixed_candidates']}/{record['candidate_groups']}, "
             f"{record['trainable_groups']} trained on | kept groups: reward {record['reward_mean']:.2f} ± "
             f"{record['reward_std']:.2f}, accuracy {record['kept_accuracy']:.2f} | every candidate: accuracy "
-            f"{record['train_accuracy']:.2f} | anchor states {record['anchor_states']} "
-            f"({record['anchor_size']:.1f} trajectories each), step credit on "
-            f"{record['step_credit_share']:.0%} of later turns' tokens | {update}{judged} | "
+            f"{record['train_accuracy']:.2f} | shared states {record['shared_states']} "
+            f"({record['shared_state_size']:.1f} trajectories each, "
+            f"{record['shared_turn_share']:.0%} of later turns) | {update}{judged} | "
             f"{record['time_step']:.0f} s")
 
 
-def write_trajectories(run_dir, step, groups, rewards, results, trained=None):
-    """trajectories/step_XXXX.jsonl: every conversation of the step with its reward, judgement and
-    advantage. trained: {id(trajectory): advantage} for the trajectories the update trained on;
-    the others get None (their group carried no signal, or the row was cut; under torchrun, the
-    other processes' rows). Rank 0 only."""
+def write_trajectories(run_dir, step, trained=True):
+    """trajectories/step_XXXX.jsonl: every conversation of the step (train.Step) with its reward,
+    judgement and advantage, one a turn (the value on its first token); None for a trajectory not
+    trained on (its group carried no signal, or the row was cut), and for all with trained=False
+    (--update rft: no advantage is trained). Rank 0 only."""
     if not parallel.is_main():
         return
-    lines, trained = [], trained or {}
-    for g, (group, group_rewards, result) in enumerate(zip(groups, rewards, results)):
-        for i, t in enumerate(group.trajectories):
+    lines = []
+    for g, (group, rewards, result, advantages) in enumerate(zip(step.groups, step.rewards, step.results,
+                                                                 step.advantages)):
+        for i, (t, a) in enumerate(zip(group.trajectories, advantages)):
             lines.append(json.dumps({
-                "step": step, "group": g, **episode_record(group.task, t),
-                "reward": group_rewards[i], "judge_score": result.scores[i] if result.scores else None,
+                "step": step.number, "group": g, **episode_record(group.task, t),
+                "reward": rewards[i], "judge_score": result.scores[i] if result.scores else None,
                 "judge_explanation": result.explanations[i] if result.explanations else "",
                 "judge_reasoning": result.reasoning,
-                "advantage": trained.get(id(t)), "judge_rescaled": result.rescaled}) + "\n")
-    write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step:04d}.jsonl"), "".join(lines))
+                "advantage": [a[start] for start, _ in t.turns] if a and trained else None,
+                "judge_rescaled": result.rescaled}) + "\n")
+    write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step.number:04d}.jsonl"), "".join(lines))
 
 
 def print_summary(config, metrics_path, final_dir, processes):
@@ -577,7 +607,7 @@ def print_summary(config, metrics_path, final_dir, processes):
         # (not in older runs' records)
         entropies = [r["rollout_entropy"] for r in steps if "rollout_entropy" in r]
         print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/"
-              f"{sum(r['submitted_groups'] for r in steps)} groups mixed, sampled tokens' entropy "
+              f"{sum(r['submitted_groups'] for r in steps)} kept groups trained on, sampled tokens' entropy "
               f"{sum(entropies) / max(1, len(entropies)):.3f} nats, temperature {config.temperature:.2f}")
     unit = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
     peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit

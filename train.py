@@ -13,13 +13,14 @@ on the held-out splits and checkpoints step 0. One step of the loop (train_step,
     1) tasks             a few train questions, most from the frontier (tasks whose last group
                          came out mixed), the rest by tier, weighted toward ~50% success
     2) rollouts          --group-size trajectories per task, sampled with the current policy
-                         (--branching: half whole, half branched off their states)
+                         (engine.py; --branching: half whole, half branched off their states)
     3) reward            reward = judge score + bonus * correct (score_groups)
-    4) advantages        normalized within each group; all-equal groups skipped and counted;
-                         --step-credit adds each turn's step advantage (grpo.step_advantages)
+    4) advantages        one float a token, from an estimator: GRPO's, normalized within each
+                         group; --step-credit adds each turn's step advantage; groups without
+                         signal skipped and counted (grpo.make_batch)
     5) update            one clipped policy-gradient step on the LoRA only, each group's tree
                          forwarded once (grpo.grpo_step), or the control --update rft: a
-                         supervised step on the correct rollouts
+                         supervised step on the correct rollouts (grpo.rft_step)
     6) log               one `key=value | ...` line, metrics.jsonl, trajectories/, plot, report.html
     7) eval/checkpoint   greedy held-out accuracy every --eval-every steps; adapter, optimizer,
                          sampler and RNG state written atomically every step (checkpoint.py)
@@ -29,6 +30,7 @@ unbroken run would have: the checkpoint holds the step count and the sampler's p
 """
 import argparse
 import errno
+import functools
 import json
 import math
 import os
@@ -45,6 +47,7 @@ from torch.distributed.elastic.multiprocessing.errors import record as torchrun_
 from tqdm import tqdm
 
 import agentrl
+import engine
 import checkpoint
 import grpo
 import judge
@@ -100,8 +103,7 @@ class Config:
     update: Literal["grpo", "rft"] = knob("grpo", "grpo: clipped policy gradient; "
                                                   "rft: SFT on the correct rollouts")
     lr: float = knob(1e-4, "AdamW learning rate of the RL steps")
-    loss: Literal["token", "sequence", "constant"] = knob("token", "token: DAPO, sequence: GRPO, "
-                                                                   "constant: Dr. GRPO")
+    loss: grpo.Aggregation = knob("token", "token: DAPO, sequence: GRPO, constant: Dr. GRPO")
     no_std_scaling: bool = knob(False, "advantages not divided by the group std (Dr. GRPO)")
     step_credit: float = knob(0.0, "w: a turn's advantage is A^E + w * A^S (GiGPO); 0: GRPO")
     clip_low: float = knob(0.2, "ratio clipped below 1 - clip_low")
@@ -226,9 +228,9 @@ def trained_with_val_held_out(run_dir):
 def sample_tasks(tasks_by_tier, task_stats, k, rng, frontier_share=FRONTIER_SHARE):
     """Pick k tasks. A group all right or all wrong teaches nothing; a task whose last group came out
     mixed (0 < pass rate p < 1) is where the signal is. So each pick is, with probability
-    frontier_share, such a task (weight p(1-p)); otherwise a tier (weight p(1-p) + a floor, p its
-    running success rate) and a task in it not yet picked this step, so every task comes up now and then.
-    task_stats: {"tiers": {tier: running success rate}, "tasks": {task id: last group's pass rate}}."""
+    frontier_share, such a task (weight p(1-p)); else a tier (weight p(1-p) + a floor, p its running
+    success rate) and a task in it not picked yet this step. task_stats: {"tiers": {tier: rate},
+    "tasks": {task id: last group's rate}}."""
     by_id = {task.id: task for tier_tasks in tasks_by_tier.values() for task in tier_tasks}
     frontier = {tid: p for tid, p in sorted(task_stats["tasks"].items()) if 0 < p < 1 and tid in by_id}
     tiers = sorted(tasks_by_tier)
@@ -347,10 +349,22 @@ def eval_processes(config) -> int:
     return config.eval_processes or cores
 
 
-def run(config, score=score_groups):
+def estimator_of(config):
+    """The advantage estimator the flags name: GRPO's (over the group's std unless --no-std-scaling),
+    with --step-credit w each turn's step advantage added, w times (grpo.step_credit_advantages)."""
+    scale_by_std = not config.no_std_scaling
+    if config.step_credit:
+        return functools.partial(grpo.step_credit_advantages, weight=config.step_credit,
+                                 scale_by_std=scale_by_std)
+    return functools.partial(grpo.grpo_advantages, scale_by_std=scale_by_std)
+
+
+def launch(config, score=score_groups, estimator=None):
     """Train (or --eval-only evaluate); returns the last evaluation record (None on ranks > 0).
     score(groups, judge_backend, rubric, bonus) -> (rewards, judge results, judge
-    failures) gives the rewards (score_groups). Under torchrun, first join the other processes
+    failures) gives the rewards (score_groups); estimator(group, rewards) -> one list of advantages
+    per trajectory, one float a token, the advantages (None: estimator_of(config)). A fork tries
+    another reward or advantage by passing its own. Under torchrun, first join the other processes
     (parallel.py); every process then runs the loop on its share of each step, and only rank 0 prints."""
     with parallel.joined() as device:   # device: None in one process (the default device)
         if parallel.world_size() > config.groups_per_step and not config.eval_only:
@@ -358,7 +372,7 @@ def run(config, score=score_groups):
                              f"{parallel.world_size()} processes needs a group per step; raise it")
         if parallel.world_size() > 1 and config.update != "grpo" and not config.eval_only:
             raise SystemExit("under torchrun, --update grpo only (so far)")
-        return run_process(config, device, score)
+        return run_process(config, device, score, estimator or estimator_of(config))
 
 
 @dataclass
@@ -376,6 +390,10 @@ class Run:
     tasks_by_tier: dict = field(default_factory=dict)    # the tasks RL draws from
     judge: object = None                                 # a judge backend, or None (make_judge)
     rubric: str = ""
+    score: object = None          # (groups, judge, rubric, bonus) -> (rewards, judge results, failures)
+    estimator: object = None      # (group, rewards) -> advantages, one list a trajectory (grpo.py)
+    update: object = None         # grpo.grpo_step, parallel.grpo_step, or the control grpo.rft_step
+    reference: object = None      # a context under which the model is the KL reference (kl_coef > 0)
 
 
 def setup(config, device) -> Run:
@@ -401,12 +419,15 @@ def setup(config, device) -> Run:
               torch.optim.AdamW(lora.lora_parameters(model), lr=config.lr, weight_decay=0.0),
               torch.amp.GradScaler(device.type, enabled=precision.use_grad_scaler),  # disabled: pass-through
               precision, limits, grpo.GRPOConfig(
-                  micro_batch_size=config.micro_batch_size, clip_low=config.clip_low,
+                  micro_batch_size=config.micro_batch_size, temperature=config.temperature,
+                  clip_low=config.clip_low,
                   clip_high=config.clip_high, aggregation=config.loss, kl_coef=config.kl_coef,
                   gradient_checkpointing=config.grad_checkpointing, amp_dtype=precision.amp_dtype,
                   # Dr. GRPO's constant: the generation budget
                   max_tokens=config.max_turns * config.max_new_tokens),
               load_eval_sets(config.data, config.eval_splits, config.eval_size))
+    run.update = (grpo.rft_step if config.update == "rft"
+                  else parallel.grpo_step if parallel.world_size() > 1 else grpo.grpo_step)
     if config.eval_only:
         return run
     train_tasks = sql_env.load_tasks(config.data, config.train_split)
@@ -486,76 +507,67 @@ def start_or_resume(config, run):
     return start_step, task_stats, [t.to(device) for t in start_state] if start_state else None
 
 
-def train_step(config, run, step, task_stats, start_state, score):
-    """Steps 1) to 5) of the loop (the module docstring); returns the step's record and what
-    write_trajectories logs: (record, groups, rewards, judge results, {id(trajectory): advantage})."""
-    t0, world, rank = time.time(), parallel.world_size(), parallel.rank()
-    step_seed = config.seed * 100_003 + step  # the same tasks and tokens whether or not the run was resumed
-    # 1) tasks: CANDIDATES per group to train on, the same draw on every process; each rolls out its share
-    draw = sample_tasks(run.tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step,
-                        random.Random(step_seed))
-    candidates = parallel.shard(draw)
+@dataclass
+class Step:
+    """What one step did: what the log reads (report.step_record) and parallel.gather_step joins."""
+    number: int
+    pass_rates: list        # every rolled-out group's (task, pass rate), kept or not (the sampler reads them)
+    groups: list            # the groups kept for the update (engine.TrajectoryGroup)
+    rewards: list           # one list of floats per kept group
+    results: list           # the judge's JudgeResult per kept group
+    judge_failed: int       # kept groups the judge could not score (their rewards: the bonus alone)
+    advantages: list        # grpo.Batch.advantages: per group, per trajectory, one float a token or None
+    counts: dict            # grpo.make_batch's counts of groups
+    stats: dict             # the update's
+    times: dict             # seconds: time_rollout, time_judge, time_step
 
-    # 2) rollouts, seeded by step and process (in one process, by the step's seed); the groups kept
-    #    are the mixed ones first, up to this process's share of --groups-per-step
-    sampling = agentrl.Sampling(temperature=config.temperature, seed=step_seed * world + rank)
-    # max_rows: the kept groups' memory. --branching: half of each candidate whole, the other half
-    #    branched off its states, then the kept groups chosen, as without, on all --group-size rows
-    whole = config.group_size if config.branching == "none" else config.group_size // 2
-    max_rows = config.groups_per_step * config.group_size
-    rolled = agentrl.rollout_groups(run.model, run.tokenizer, candidates, whole, sampling, run.limits,
-                                    max_rows=max_rows)
+
+def rollout(config, run, tasks, seed):
+    """A group of --group-size trajectories a task at --temperature, seeded by the step and the process;
+    --branching: half of each sampled whole, the rest branched off its states. max_rows: the kept groups'."""
+    sampling = engine.Sampling(config.temperature, seed=seed * parallel.world_size() + parallel.rank())
+    max_rows, n = config.groups_per_step * config.group_size, config.group_size
+    whole = n if config.branching == "none" else n // 2
+    groups = engine.rollout_groups(run.model, run.tokenizer, tasks, whole, sampling, run.limits,
+                                   max_rows=max_rows)
     if config.branching != "none":
-        rolled = agentrl.branch_groups(run.model, run.tokenizer, rolled, config.group_size, sampling,
-                                       run.limits, config.branching, max_rows=max_rows)
+        groups = engine.branch_groups(run.model, run.tokenizer, groups, n, sampling, run.limits,
+                                      config.branching, max_rows=max_rows)
+    return groups
+
+
+def train_step(config, run, step, task_stats) -> Step:
+    """Phases 1) to 5) of the module docstring in this process; under torchrun on its share of the tasks
+    (parallel.shard), the update summed over the processes (run.update: parallel.grpo_step)."""
+    t0, seed = time.time(), config.seed * 100_003 + step   # the same tasks and tokens on --resume
+    # 1) tasks: CANDIDATES per group trained on, the same draw on every process; this process's share
+    tasks = parallel.shard(sample_tasks(run.tasks_by_tier, task_stats, CANDIDATES * config.groups_per_step,
+                                        random.Random(seed)))
+    # 2) rollouts: a group per task; the mixed groups kept first, up to this process's share of groups
+    rolled = rollout(config, run, tasks, seed)
     groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
     t_rollout = time.time() - t0
-    pass_rates = [(task, rate) for share in parallel.gather([(g.task, pass_rate(g)) for g in rolled])
-                  for task, rate in share]
-
     # 3) reward = judge score + bonus * correct (score_groups, or the `score` run was given)
-    rewards, results, judge_failed = score(groups, run.judge, run.rubric, config.bonus)
+    rewards, results, judge_failed = run.score(groups, run.judge, run.rubric, config.bonus)
     t_judge = time.time() - t0 - t_rollout
-
-    # 4) advantages within each group, attached to the group's trajectories
-    batch, counts = grpo.batch_from_groups(groups, rewards, not config.no_std_scaling, config.step_credit)
-
-    # 5) update (skipped when no group carries signal). Under torchrun the normalizer counts the
-    #    whole step's tokens and the gradients are summed over the processes (parallel.py)
-    reference = lora.lora_weights(run.model, start_state) if config.kl_coef > 0 else None  # the KL reference
-    # the control: imitate the step's correct rollouts, right or not alone in their group
-    if config.update == "rft":
-        correct = [t for g in groups for t in g.trajectories if t.correct and sum(t.assistant_mask)]
-        stats = (grpo.sft_step(run.model, run.optimizer, correct, run.grpo_config, run.scaler) if correct
-                 else {"skipped": True, "skip_reason": "no correct rollout"})
-    elif world > 1:
-        stats = parallel.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler, reference)
-    elif batch:
-        stats = grpo.grpo_step(run.model, run.optimizer, batch, run.grpo_config, run.scaler,
-                               reference_context=reference)
-    else:
-        stats = {"skipped": True, "skip_reason": "no trainable group"}
-    trained = ({id(t): [a[start] for start, _ in t.turns] if isinstance(a, list) else a  # one a turn
-                for g, advs in batch for t, a in zip(g.trajectories, advs)}
-               if config.update == "grpo" else {})
-    times = {"time_rollout": t_rollout, "time_judge": t_judge}
-    groups, rewards, results, counts, stats, judge_failed, times = parallel.gather_step(
-        groups, rewards, results, counts, stats, judge_failed, times)   # every process's, as one process's
-    frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
-    update_task_stats(task_stats, pass_rates)
-    record = report.step_record(step, groups, rewards, counts, stats, pass_rates,
-                         judge_failed_groups=judge_failed, **report.judge_counters(results),
-                         **report.judge_agreement(groups, results), frontier_tasks=frontier_before, **times,
-                         time_step=time.time() - t0)
-    return record, groups, rewards, results, trained
+    # 4) advantages, one a token, from the run's estimator (GRPO's, or step credit's)
+    batch, counts = grpo.make_batch(groups, rewards, run.estimator, run.grpo_config.max_tokens)
+    # 5) update: the clipped policy-gradient step (or the control, --update rft)
+    stats = run.update(run.model, run.optimizer, batch, run.grpo_config, run.scaler, run.reference)
+    return Step(step, [(g.task, pass_rate(g)) for g in rolled], groups, rewards, results, judge_failed,
+                batch.advantages, counts, stats,
+                {"time_rollout": t_rollout, "time_judge": t_judge, "time_step": time.time() - t0})
 
 
-def run_process(config, device, score):
+def run_process(config, device, score, estimator):
     """run's work in this process: setup, start or resume, the loop, the end."""
     run = setup(config, device)
     if config.eval_only:
         return eval_only(config, run)
+    run.score, run.estimator = score, estimator
     start_step, task_stats, start_state = start_or_resume(config, run)
+    # the KL reference: under it the model is the policy RL started from
+    run.reference = lora.lora_weights(run.model, start_state) if config.kl_coef > 0 else None
     metrics_path = os.path.join(config.out, "metrics.jsonl")
     records = ([r for r in read_jsonl(metrics_path, skip_unreadable=True)[0] if "reward_mean" in r]
                if parallel.is_main() else [])
@@ -563,13 +575,15 @@ def run_process(config, device, score):
                dynamic_ncols=True, disable=not parallel.is_main())
     warned = False   # judge_noise_warning, once a run
     for step in bar:
-        # 1) tasks, 2) rollouts, 3) reward, 4) advantages, 5) update
-        record, groups, rewards, results, trained = train_step(config, run, step, task_stats, start_state,
-                                                               score)
+        # 1) tasks, 2) rollouts, 3) reward, 4) advantages, 5) update; every process's, as one process's
+        done = parallel.gather_step(train_step(config, run, step, task_stats))
+        frontier_before = sum(0 < p < 1 for p in task_stats["tasks"].values())
+        update_task_stats(task_stats, done.pass_rates)
 
         # 6) log: one line, the same numbers in metrics.jsonl, the trajectories readable
+        record = report.step_record(done, frontier_tasks=frontier_before)
         report.append_jsonl(metrics_path, record)
-        report.write_trajectories(config.out, step, groups, rewards, results, trained)
+        report.write_trajectories(config.out, done, trained=config.update == "grpo")
         bar.set_postfix(reward=f"{record['reward_mean']:.2f}", acc=f"{record['train_accuracy']:.2f}",
                         s=f"{record['time_step']:.0f}")
         tqdm.write(report.step_line(record, config.steps))
@@ -601,11 +615,11 @@ def run_process(config, device, score):
 
 
 @torchrun_reports_errors   # under torchrun: a process's exception is named in the job's failure summary
-def main(argv=None, score=score_groups):
-    """`python train.py [flags]`: parse the flags (parse_args) and run; score: as run's."""
+def main(argv=None, score=score_groups, estimator=None):
+    """`python train.py [flags]`: parse the flags (parse_args) and run; score, estimator: as launch's."""
     config = parse_args(argv)
     try:
-        return run(config, score=score)
+        return launch(config, score=score, estimator=estimator)
     except lora.ModelUnavailable as e:
         raise SystemExit(f"error: {e}") from None
     except OSError as e:

@@ -1,11 +1,11 @@
 """A group's tree: what its trajectories share, one structure for the rollout, the judge and the update.
 
     root = build_tree(paths)     # paths[i]: trajectory i as its runs, [(start, tokens, messages), ...]
-    root.children[0].rows        # the trajectories through the first run (the prompt: all of them)
+    root.children[0].through     # the trajectories through the first run (the prompt: all of them)
 
 The n trajectories of a group answer one task: they share the prompt, and often their first turns
 and the tool's answers. A Node is a run of tokens (and the messages they render) that every
-trajectory in `rows` has, from index `start` on; a trajectory is the path from the root to its
+trajectory in `through` has, from index `start` on; a trajectory is the path from the root to its
 last node. agentrl.make_group builds a rollout's tree from the turns the engine recorded (a node a
 turn); judge.py prints it once for the judge; forward.py forwards each node once in the update.
 It imports nothing, so the judge stays usable alone.
@@ -15,12 +15,12 @@ from dataclasses import dataclass, field
 
 @dataclass
 class Node:
-    """A run of a group's tree: tokens (and the messages they render) that the trajectories in `rows`
+    """A run of a group's tree: tokens (and the messages they render) that the trajectories in `through`
     all have, from index `start` of their token_ids on, after the runs of the node's ancestors."""
-    start: int                      # index of its first token in each trajectory through it (its depth)
+    start: int                      # the index of its first token in each trajectory through it
     tokens: list[int]
     messages: list[dict]
-    rows: list[int]                 # the group's trajectories through it, by index
+    through: list[int]              # the group's trajectories through it, by index
     children: list["Node"] = field(default_factory=list)
 
 
@@ -42,6 +42,6 @@ def build_tree(paths) -> Node:
             if child is None:
                 child = Node(start, tokens, messages, [])
                 node.children.append(child)
-            child.rows.append(i)
+            child.through.append(i)
             node = child
     return root

@@ -17,6 +17,7 @@
     python -m bench gpu            # the GPU check: the 3B shape under a T4's memory, then real training steps
     python -m bench footprint [--baseline DIR]   # whole train.py runs: phase times, summed PSS of every process
     python -m bench accelerations --adapter DIR  # one default GRPO step with each acceleration taken out in turn
+    python -m bench sql            # the SQL tool's worker process against the same queries in-process
 
 `--variants a,b` (update, eval, scale, credit) runs a subset, the first the baseline. learn, sweep, scale and
 allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
@@ -27,13 +28,13 @@ import argparse
 import importlib
 
 COMMANDS = {   # name: (module of bench/, function, one line of help)
-    "rollout": ("engine", "bench_rollout", "our rollout engine vs re-tokenize + generate() per turn; the floor"),
-    "cache": ("engine", "bench_cache", "one decode step: our KVCache vs DynamicCache; fp32 vs bf16 keys, values"),
+    "rollout": ("rollout", "bench_rollout", "our rollout engine vs re-tokenize + generate() per turn; the floor"),
+    "cache": ("rollout", "bench_cache", "one decode step: our KVCache vs DynamicCache; fp32 vs bf16 keys, values"),
     "judge": ("judge", "bench_judge", "judge prompt tokens per group: naive vs RULER-style vs the tree"),
     "judge-server": ("judge", "bench_judge_server", "the --judge http path against llama.cpp's server (if installed)"),
     "memory": ("update", "bench_memory", "peak memory of one GRPO update: chunked vs unchunked log-probs"),
     "update": ("update", "bench_update", "one GRPO step on a group: each trajectory alone vs the tree once; checkpointing"),
-    "eval": ("engine", "bench_eval", "greedy evaluation of a held-out split: batching, processes, bf16"),
+    "eval": ("rollout", "bench_eval", "greedy evaluation of a held-out split: batching, processes, bf16"),
     "learn": ("learn", "bench_learn", "held-out accuracy, paired: an SFT start, then GRPO, RFT and more SFT"),
     "credit": ("learn", "bench_credit", "step credit on chains and on branched groups against GRPO, paired"),
     "sweep": ("learn", "bench_sweep", "the RL lr and the LoRA rank, chosen on a validation slice of train"),
@@ -45,6 +46,7 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "footprint": ("footprint", "bench_footprint", "a whole train.py run's phase times and summed PSS, every process"),
     "accelerations": ("accelerations", "bench_accelerations",
                       "one default GRPO step with each acceleration taken out in turn: its gain"),
+    "sql": ("sql", "bench_sql", "the SQL tool's worker process against the same queries in-process"),
     "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
 }
 TRAIN_FLAGS = {"learn", "credit", "sweep", "scale", "allocator", "train-run", "footprint"}   # these pass unknown flags on to train.py

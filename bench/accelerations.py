@@ -24,6 +24,7 @@ from unittest import mock
 import torch
 
 import agentrl
+import engine
 import forward
 import grpo
 import lora
@@ -37,8 +38,8 @@ STEP = dict(tasks=4, group=8, kept=2, temperature=0.5, max_turns=4, max_new_toke
 
 def _one_at_a_time(original):
     """forward.tree_logprobs forwarding each trajectory alone (its own chain, the prompt included)."""
-    def logprobs(model, tree, trajectories, rows, chunk_size=512):
-        parts = [original(model, tree, trajectories, [r], chunk_size) for r in rows]
+    def logprobs(model, tree, trajectories, rows, chunk_size=512, temperature=1.0):
+        parts = [original(model, tree, trajectories, [r], chunk_size, temperature) for r in rows]
         T = max(p.shape[1] for p in parts)
         return torch.cat([torch.nn.functional.pad(p, (0, T - p.shape[1])) for p in parts])
     return logprobs
@@ -47,12 +48,12 @@ def _one_at_a_time(original):
 # name: (the part of the step it acts on, (module, name, replacement) or a GRPOConfig change)
 TAKEN_OUT = {
     "all on": ("both", None),
-    "prompts' common prefix once": ("rollout", (agentrl, "common_prefix_length", lambda prompts, limit: 1)),
-    "rows that agree fed once": ("rollout", (agentrl, "_distinct_histories",
+    "prompts' common prefix once": ("rollout", (engine, "common_prefix_length", lambda prompts, limit: 1)),
+    "rows that agree fed once": ("rollout", (engine, "_distinct_histories",
                                              lambda rows: (list(range(len(rows))), list(range(len(rows)))))),
     "LoRA folded while generating": ("rollout", (lora, "lora_merged",
                                                  lambda model, dtype=None: contextlib.nullcontext())),
-    "cache packed at flushes": ("rollout", (agentrl, "pack_left", lambda cache, mask: mask)),
+    "cache packed at flushes": ("rollout", (engine, "pack_left", lambda cache, mask: mask)),
     "a group's tree forwarded once": ("update", (forward, "tree_logprobs", _one_at_a_time(forward.tree_logprobs))),
     "gradient checkpointing": ("update", {"gradient_checkpointing": False}),
     "log-probs in chunks": ("update", {"chunk_size": None}),
@@ -69,7 +70,7 @@ def timed_update(model, groups, config, start, trials=2):
     """grpo_step on `groups` from the adapter `start` with a fresh optimizer, `trials` times, the
     adapter put back after each: the seconds of the fastest."""
     rewards, _, _ = scripted_rewards(groups)
-    batch, _ = grpo.batch_from_groups(groups, rewards)
+    batch, _ = grpo.make_batch(groups, rewards)
     times = []
     for _ in range(trials):
         optimizer = torch.optim.AdamW(lora.lora_parameters(model), lr=1e-4, weight_decay=0.0)
@@ -93,7 +94,7 @@ def bench_accelerations(args):
         lora.load_adapter(model, lora.find_adapter(args.adapter))
     start = [p.detach().clone() for p in lora.lora_parameters(model)]
     tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", "train"), STEP["tasks"])
-    sampling = agentrl.Sampling(temperature=STEP["temperature"], seed=args.seed)
+    sampling = engine.Sampling(temperature=STEP["temperature"], seed=args.seed)
     limits = agentrl.Limits(STEP["max_turns"], STEP["max_new_tokens"], STEP["max_context"])
 
     def rollout():

@@ -4,6 +4,7 @@ and reading a train.py run's metrics back.
 A measurement that must not inherit another's allocator state (peak memory) runs in a fresh
 process, `python -m bench COMMAND ... --child VARIANT`, which prints its figures as one JSON line.
 """
+import contextlib
 import json
 import math
 import os
@@ -11,11 +12,15 @@ import subprocess
 import sys
 import time
 from types import SimpleNamespace
+from unittest import mock
 
 import torch
 
 import agentrl
+import engine
+import grpo
 import kvcache
+import lora
 from files import read_jsonl
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))   # the repository: the core modules and bench/
@@ -76,8 +81,8 @@ def fastest(run, trials=5) -> float:
 def random_batch(vocab, n, length, prompt, seed):
     """An update's batch: n trajectories of `length` random tokens, the last length - prompt
     trained, and advantages alternating -1, +1; the memory and speed of an update do not depend
-    on the values. Returns (trajectories, advantages); agentrl.make_group(None, trajectories) makes
-    them a group (each one node: no turns recorded, nothing shared), grpo_step's batch with the advantages."""
+    on the values. Returns (trajectories, advantages); one_group_batch makes them grpo_step's batch
+    (a group whose trajectories are each one node: no turns recorded, nothing shared)."""
     g = torch.Generator().manual_seed(seed)
     trajectories = [SimpleNamespace(token_ids=torch.randint(0, vocab, (length,), generator=g).tolist(),
                                     assistant_mask=[0] * prompt + [1] * (length - prompt),
@@ -85,6 +90,15 @@ def random_batch(vocab, n, length, prompt, seed):
                                     turns=[], messages=[], stop_reason="max_context")
                     for _ in range(n)]
     return trajectories, [1.0 if i % 2 else -1.0 for i in range(n)]
+
+
+def one_group_batch(trajectories, advantages):
+    """The trajectories as one group (nothing shared: random_batch's), in the grpo.Batch an update
+    takes: each one's advantage on every token, the normalizer's counts over all of them."""
+    masks = [sum(t.assistant_mask) for t in trajectories]
+    return grpo.Batch([agentrl.make_group(None, trajectories)], [[[a] * len(t.token_ids) for t, a in
+                                                                  zip(trajectories, advantages)]],
+                      len(masks), sum(masks), max(masks))
 
 
 def run_records(folder) -> list:
@@ -132,7 +146,7 @@ class CountingForward(kvcache.CachedForward):
 
 
 def counted_rollout(*args, **kwargs):
-    """agentrl.rollout_groups(*args, **kwargs) with its forwards counted (CountingForward): returns
+    """engine.rollout_groups(*args, **kwargs) with its forwards counted (CountingForward): returns
     (groups, stats), stats with the counters, total_s, prompt_tokens (the flushes' real tokens) and
     generated_tokens (sampled)."""
     made = []
@@ -140,13 +154,73 @@ def counted_rollout(*args, **kwargs):
     def counting(model, dtype=None):
         made.append(CountingForward(model, dtype))
         return made[-1]
-    original, agentrl.CachedForward = agentrl.CachedForward, counting
+    original, engine.CachedForward = engine.CachedForward, counting
     try:
         t0 = time.perf_counter()
-        groups = agentrl.rollout_groups(*args, **kwargs)
+        groups = engine.rollout_groups(*args, **kwargs)
         total_s = time.perf_counter() - t0
     finally:
-        agentrl.CachedForward = original
+        engine.CachedForward = original
     stats = {k: sum(f.stats[k] for f in made) for k in made[0].stats} if made else {}
     return groups, {**stats, "total_s": total_s, "prompt_tokens": stats.get("flush_fed_tokens", 0),
                     "generated_tokens": sum(sum(t.assistant_mask) for g in groups for t in g.trajectories)}
+
+
+@contextlib.contextmanager
+def scripted_policy(turns, fill_logprobs=True):
+    """A policy scripted from outside the engine, for a model that never writes a tool call by itself
+    (tests, bench fit3b): in the rollouts under this context, row i of each engine._start_rows call
+    (task-major: task g, sample j is row g*n + j) begins its turn k with the text turns[i][k] instead
+    of what it would sample, and samples on from there. The scripted tokens' log-probs are the
+    policy's: filled in after the rollout from one forward over each trajectory, at the sampling's
+    temperature and weight precision (a sampled token's come from the engine's cache, as ever).
+    fill_logprobs=False leaves them the log-probs of the tokens sampled in their place: for a memory
+    or speed figure whose rollouts are not trained on."""
+    real_start, real_take, real_rollout = engine._start_rows, engine._take_token, engine.rollout_groups
+    scripted = []       # (row, its turns as token ids, the indices of the tokens it was given)
+
+    def start_rows(tasks, n, tokenizer, limits, make_env):
+        rows = real_start(tasks, n, tokenizer, limits, make_env)
+        scripted.extend((row, [agentrl.encode(tokenizer, text) for text in texts], [])
+                        for row, texts in zip(rows, turns))
+        return rows
+
+    def take_token(row, token, logprob, *args):
+        for r, script, given in scripted:
+            done = len(row.token_ids) - row.turn_start       # tokens of this turn so far
+            if r is row and row.num_turns < len(script) and done < len(script[row.num_turns]):
+                token = script[row.num_turns][done]
+                given.append(len(row.token_ids))
+        return real_take(row, token, logprob, *args)
+
+    def rollout_groups(model, tokenizer, tasks, n, sampling=engine.Sampling(), *args, **kwargs):
+        groups = real_rollout(model, tokenizer, tasks, n, sampling, *args, **kwargs)
+        for row, _, given in scripted:
+            if given and fill_logprobs:
+                logprobs = policy_logprobs(model, row.token_ids, sampling)
+                for i in given:
+                    row.logprobs[i] = logprobs[i]     # the trajectory's sampled_logprobs is this list
+        scripted.clear()
+        return groups
+
+    with mock.patch.object(engine, "_start_rows", start_rows), \
+            mock.patch.object(engine, "_take_token", take_token), \
+            mock.patch.object(engine, "rollout_groups", rollout_groups):
+        yield
+
+
+@torch.no_grad()
+def policy_logprobs(model, token_ids, sampling) -> list[float]:
+    """log p_T(x_t | x_<t) of the policy `sampling` samples from (its temperature, greedy: 1; its
+    weight precision), from one plain forward over the whole sequence: (T,) floats, 0 at t = 0."""
+    was_training = model.training
+    model.eval()
+    ids = torch.tensor([token_ids], device=model.device)
+    with lora.lora_merged(model, sampling.weight_dtype):
+        hidden = model.base_model(input_ids=ids).last_hidden_state[0]                    # (T, H)
+    head = model.get_output_embeddings().weight
+    logits = torch.nn.functional.linear(hidden.to(sampling.weight_dtype or head.dtype),
+                                        head.to(sampling.weight_dtype or head.dtype)).float()  # (T, V)
+    model.train(was_training)
+    logp = torch.log_softmax(logits / (1.0 if sampling.greedy else sampling.temperature), dim=-1)
+    return [0.0] + logp[:-1].gather(1, ids[0, 1:, None])[:, 0].tolist()

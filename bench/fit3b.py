@@ -15,7 +15,7 @@ a rollout and an update, update tokens per second, then three real training step
 `CHECK name PASS|FAIL | figures` line each.
 
 Nothing is downloaded: the 3B config is written out below, weights are random (memory and speed
-do not depend on their values), and the tokenizer only turns forced texts into tokens (the
+do not depend on their values), and the tokenizer only turns scripted texts into tokens (the
 embedded model's, or any folder given with `--tokenizer`).
 """
 import json
@@ -24,11 +24,13 @@ import time
 import torch
 
 import agentrl
+import engine
 import grpo
 import lora
 import sql_env
 import train
-from bench.common import counted_rollout, in_fresh_process, random_batch, reset_resident_peak, resident_bytes
+from bench.common import (counted_rollout, in_fresh_process, one_group_batch, random_batch, reset_resident_peak,
+                          resident_bytes, scripted_policy)
 
 # Qwen2.5-3B-Instruct's published config.json, written out so that nothing is downloaded.
 QWEN25_3B = dict(vocab_size=151936, hidden_size=2048, intermediate_size=11008, num_hidden_layers=36,
@@ -168,8 +170,7 @@ def measure_update_on_cpu(config, micro_batch, seed):
     optimizer = torch.optim.AdamW(lora.apply_lora(model, r=16), lr=1e-5)
     step_config = grpo.GRPOConfig(micro_batch_size=micro_batch, amp_dtype=precision.amp_dtype,
                                   gradient_checkpointing=True)
-    trajectories, advantages = random_batch(config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
-    batch = [(agentrl.make_group(None, trajectories), advantages)]
+    batch = one_group_batch(*random_batch(config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed))
     reset_resident_peak()
     t0 = time.perf_counter()
     stats = grpo.grpo_step(model, optimizer, batch, step_config,
@@ -222,18 +223,19 @@ def timed(fn, device):
 
 
 def forced_rollout(model, tokenizer, task, group, context, seed=0):
-    """One group through agentrl's engine, every row decoded to exactly `context` tokens.
+    """One group through the rollout engine (engine.py), every row decoded to exactly `context` tokens.
 
     What runs is the rollout of train.py: the prompt's shared prefix encoded once, its KV cache
     copied into `group` rows, then one forward per token for all rows, sampling from the (B, V) logits and
-    recording log-probs. Only the token kept is forced (a long filler text, cut by the context
-    limit): a random-weight model samples from a vocabulary the tokenizer cannot decode, and
-    forcing makes every row exactly `context` tokens long. Returns (trajectories, stats): the
-    forwards' counters (bench.common.counted_rollout), with prompt_tokens and generated_tokens."""
+    recording log-probs. Only the token kept is scripted (bench.common.scripted_policy: a long
+    filler text, cut by the context limit): a random-weight model samples from a vocabulary the
+    tokenizer cannot decode, and the script makes every row exactly `context` tokens long (its
+    log-probs not filled in: nothing trains on them). Returns (trajectories, stats): the forwards'
+    counters (bench.common.counted_rollout), with prompt_tokens and generated_tokens."""
     filler = "SELECT " + ", ".join(f"col_{i}" for i in range(context))   # more tokens than any context leaves
     limits = agentrl.Limits(max_turns=1, max_new_tokens=context, max_context=context)
-    groups, stats = counted_rollout(model, tokenizer, [task], group, agentrl.Sampling(seed=seed), limits,
-                                    forced_turns=[[filler]] * group)
+    with scripted_policy([[filler]] * group, fill_logprobs=False):
+        groups, stats = counted_rollout(model, tokenizer, [task], group, engine.Sampling(seed=seed), limits)
     trajectories = groups[0].trajectories
     assert all(t.stop_reason == "max_context" for t in trajectories), "a row stopped before the context limit"
     return trajectories, stats
@@ -241,22 +243,22 @@ def forced_rollout(model, tokenizer, task, group, context, seed=0):
 
 def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group=GROUP):
     """Real GRPO steps, as train.py takes them with --judge none: rollouts, reward = correct,
-    group advantages (grpo.batch_from_groups), grpo_step. Each row's tool calls are forced (run the
-    gold query, then submit it in even rows, a wrong query in odd rows), so every group is mixed and
-    carries signal whatever the random weights would sample. Returns [(step stats, seconds)], one
-    per task."""
+    group advantages (grpo.make_batch), grpo_step. Each row's tool calls are scripted
+    (bench.common.scripted_policy: run the gold query, then submit it in even rows, a wrong query in
+    odd rows), so every group is mixed and carries signal whatever the random weights would sample.
+    Returns [(step stats, seconds)], one per task."""
 
     limits = agentrl.Limits(max_turns=2, max_new_tokens=256, max_context=2048)
     steps = []
     for step, task in enumerate(tasks, 1):
         t0 = time.perf_counter()
-        forced = [[agentrl.tool_call_text("run_sql", {"query": task.gold_sql}),
-                   agentrl.tool_call_text("submit_answer", {"query": task.gold_sql if j % 2 == 0 else "SELECT 'wrong'"})]
-                  for j in range(group)]
-        rolled = agentrl.rollout_group(model, tokenizer, task, group, agentrl.Sampling(seed=step), limits,
-                                       forced_turns=forced)
-        batch, _ = grpo.batch_from_groups([rolled], [[float(t.correct) for t in rolled.trajectories]])
-        assert batch, f"{task.id}: forced rows all got the same reward"
+        turns = [[agentrl.tool_call_text("run_sql", {"query": task.gold_sql}),
+                  agentrl.tool_call_text("submit_answer", {"query": task.gold_sql if j % 2 == 0 else "SELECT 'wrong'"})]
+                 for j in range(group)]
+        with scripted_policy(turns):
+            rolled = engine.rollout_group(model, tokenizer, task, group, engine.Sampling(seed=step), limits)
+        batch, counts = grpo.make_batch([rolled], [[float(t.correct) for t in rolled.trajectories]])
+        assert counts["trainable_groups"], f"{task.id}: scripted rows all got the same reward"
         stats = grpo.grpo_step(model, optimizer, batch, config, scaler)
         steps.append((stats, time.perf_counter() - t0))
     return steps
@@ -264,7 +266,7 @@ def forced_train_steps(model, tokenizer, tasks, optimizer, config, scaler, group
 
 def gpu_setup(seed, tokenizer_dir=None):
     """The 3B shape at the T4 precision, forced whatever this GPU supports, under the T4 budget.
-    The tokenizer only turns the forced texts into tokens: the embedded model's by default, or any
+    The tokenizer only turns the scripted texts into tokens: the embedded model's by default, or any
     folder (`--tokenizer`, for a bare GPU machine without the embedded model)."""
     from transformers import AutoTokenizer
     device = torch.device("cuda")
@@ -304,8 +306,7 @@ def memory_checks(s, seed):
     first and again last: the first creates the AdamW state, so the rollout between sees a run's
     steady state, and the second is timed warm."""
     model, device, cap = s["model"], s["device"], T4_BUDGET_GIB * GIB
-    trajectories, advantages = random_batch(model.config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed)
-    batch = [(agentrl.make_group(None, trajectories), advantages)]
+    batch = one_group_batch(*random_batch(model.config.vocab_size, GROUP, CONTEXT, prompt=256, seed=seed))
 
     def update():
         return grpo.grpo_step(model, s["optimizer"], batch, s["config"], s["scaler"])

@@ -49,9 +49,11 @@ def footprint(cwd, train_flags) -> dict:
     out = os.path.join(cwd, "runs", "bench_footprint")
     shutil.rmtree(out, ignore_errors=True)
     argv = [sys.executable, "train.py", *train_flags, "--out", out]
-    print(f"running in {cwd}: {' '.join(argv[1:])}", flush=True)
+    os.makedirs(os.path.dirname(out), exist_ok=True)
+    print(f"running in {cwd}: {' '.join(argv[1:])} (its output: {out}.log)", flush=True)
     t0, peak, samples = time.perf_counter(), 0, []   # samples: (seconds, PSS KiB, metrics lines so far)
-    child = subprocess.Popen(argv, cwd=cwd, stdout=subprocess.DEVNULL)
+    with open(out + ".log", "w") as log:
+        child = subprocess.Popen(argv, cwd=cwd, stdout=log)
     metrics = os.path.join(out, "metrics.jsonl")
     while child.poll() is None:
         pss = tree_pss_kib(child.pid)

@@ -25,6 +25,7 @@ import urllib.request
 import torch
 
 import agentrl
+import engine
 import files
 import judge
 import judge_backends
@@ -203,7 +204,7 @@ def bench_prompt_tokens(args):
     chat template, counted with the embedded tokenizer. The tree (the group's, as train.py's judge
     prints it) gives every trajectory its own id, duplicates included, so the dedup that
     score_group adds does not flatter it. Beside them, groups of the same size that branch
-    (agentrl.branch_groups): their judge prompt and their sampled tokens against the chains'.
+    (engine.branch_groups): their judge prompt and their sampled tokens against the chains'.
     --adapter DIR rolls out a trained policy instead (e.g. the warm start, runs/default/sft).
     """
     num_groups, group_size = 4, 8
@@ -224,8 +225,8 @@ def bench_prompt_tokens(args):
         return len(tokenizer(text, add_special_tokens=False).input_ids)
 
     for temperature in (1.0, 0.5):
-        groups = agentrl.rollout_groups(model, tokenizer, tasks, group_size,
-                                        agentrl.Sampling(temperature=temperature, seed=args.seed),
+        groups = engine.rollout_groups(model, tokenizer, tasks, group_size,
+                                        engine.Sampling(temperature=temperature, seed=args.seed),
                                         agentrl.Limits(max_turns=3, max_new_tokens=64))
         totals, tree_never_above = dict.fromkeys(serializers, 0), True
         print(f"\ntemperature {temperature}: judge prompt tokens per group of {group_size}")
@@ -242,10 +243,10 @@ def bench_prompt_tokens(args):
         print(f"tree <= ruler on every group: {tree_never_above} | total tree/ruler = {ratio:.3f} "
               f"(target <= 0.80) | tree/naive = {totals['tree'] / totals['naive']:.3f}")
         # groups that branch (train.py --branching uniform): half whole, half off their states; the same size
-        sampling = agentrl.Sampling(temperature=temperature, seed=args.seed)
+        sampling = engine.Sampling(temperature=temperature, seed=args.seed)
         limits = agentrl.Limits(max_turns=3, max_new_tokens=64)
-        halves = agentrl.rollout_groups(model, tokenizer, tasks, group_size // 2, sampling, limits)
-        branched = agentrl.branch_groups(model, tokenizer, halves, group_size, sampling, limits)
+        halves = engine.rollout_groups(model, tokenizer, tasks, group_size // 2, sampling, limits)
+        branched = engine.branch_groups(model, tokenizer, halves, group_size, sampling, limits)
         tree_tokens = sum(prompt_tokens(g, serializers["tree"]) for g in branched)
 
         def sampled(groups):
@@ -291,7 +292,7 @@ def bench_judge_server(args):
         if args.adapter:
             lora.load_adapter(model, args.adapter)
         tasks = random.Random(args.seed).sample(sql_env.load_tasks(), num_groups)
-        groups = agentrl.rollout_groups(model, tokenizer, tasks, group_size, agentrl.Sampling(temperature=1.0, seed=args.seed),
+        groups = engine.rollout_groups(model, tokenizer, tasks, group_size, engine.Sampling(temperature=1.0, seed=args.seed),
                                         agentrl.Limits(max_turns=3, max_new_tokens=64))
         print(f"\n{'task':<18} {'tokens':>6} {'s':>6} {'calls':>5} {'rescaled':>8} {'correct':>7} {'agree':>5}  "
               f"scores / why unscored")

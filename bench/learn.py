@@ -21,6 +21,7 @@ import time
 from dataclasses import asdict
 
 import agentrl
+import engine
 import evaluate
 import lora
 import sql_env
@@ -48,7 +49,7 @@ def headroom(adapter, tasks_by_split, k, seed, limits, model_name=None) -> dict:
     lora.load_adapter(model, adapter)
     rates = {}
     for split, tasks in tasks_by_split.items():
-        groups = agentrl.rollout_groups(model, tokenizer, tasks, k, agentrl.Sampling(seed=seed), limits, max_rows=8 * k)
+        groups = engine.rollout_groups(model, tokenizer, tasks, k, engine.Sampling(seed=seed), limits, max_rows=8 * k)
         correct = [sum(t.correct for t in g.trajectories) for g in groups]
         rates[split] = (sum(pass_at_k(k, c, 1) for c in correct) / len(tasks), sum(pass_at_k(k, c, k) for c in correct) / len(tasks))
     return rates
@@ -326,8 +327,8 @@ def bench_credit(args):
     on both), with the start and
     with the GRPO runs (each task's outcome averaged over an arm's runs: runs_line), with 95% intervals
     by task and by query template. Per arm also: sampled (decoded) tokens per trajectory, seconds per
-    step and in the rollout, the anchor states a step found and the share of trained tokens they
-    credit. An arm's run evaluates one task at its start and end (the start's whole evaluation is the
+    step and in the rollout, the states several trajectories share a step (report.shared_states), their
+    size, and the share of later turns taken from one. An arm's run evaluates one task at its start and end (the start's whole evaluation is the
     SFT run's), then its final adapter is evaluated on the whole splits (--eval-only, in held_out/):
     one evaluation an arm instead of two. Runs and evaluations already done are reused."""
     if args.sft_steps < 1 or args.grpo_steps < 1 or args.grpo_seeds < 1:
@@ -369,18 +370,19 @@ def bench_credit(args):
     print(f"\ncredit: {args.grpo_steps} steps of {run['groups_per_step']} groups x {run['group_size']} from an SFT start "
           f"of {args.sft_steps} steps, {len(seeds)} seeds an arm; held-out accuracy greedy, each arm the mean of its runs")
     print(f"{'arm':<30}" + "".join(f"{s + ' acc':>18}" for s in splits)
-          + f"{'sampled tokens':>16}{'s/step':>8}{'rollout s':>10}{'anchors':>9}{'size':>6}{'credited':>10}")
+          + f"{'sampled tokens':>16}{'s/step':>8}{'rollout s':>10}{'shared':>9}{'size':>6}{'turns':>10}")
     if all(s in start_outcomes for s in splits):
         print(f"{'SFT start':<30}" + "".join(f"{sum(start_outcomes[s].values()) / len(start_outcomes[s]):>18.3f}" for s in splits))
     for name, records in steps.items():
         accuracy = [sum(evaluate.split_metrics(r, s)["eval_accuracy"] for r in finals[name]) / len(seeds) for s in splits]
         trajectories = sum(r["submitted_groups"] for r in records) * run["group_size"]
-        anchors = sum(r.get("anchor_states", 0) for r in records)     # (0 in a run older than step credit)
+        # the states several trajectories share and act from (report.shared_states); 0 in older runs
+        shared = sum(r.get("shared_states", 0) for r in records)
         print(f"{name:<30}" + "".join(f"{a:>18.3f}" for a in accuracy)
               + f"{sum(r['gen_tokens'] for r in records) / trajectories:>16.1f}{record_mean('time_step', records):>8.0f}"
-              f"{record_mean('time_rollout', records):>10.0f}{anchors / len(records):>9.1f}"
-              f"{sum(r.get('anchor_size', 0) * r.get('anchor_states', 0) for r in records) / max(1, anchors):>6.1f}"
-              f"{record_mean('step_credit_share', records):>10.0%}")
+              f"{record_mean('time_rollout', records):>10.0f}{shared / len(records):>9.1f}"
+              f"{sum(r.get('shared_state_size', 0) * r.get('shared_states', 0) for r in records) / max(1, shared):>6.1f}"
+              f"{record_mean('shared_turn_share', records):>10.0%}")
     print("paired (each arm's runs averaged task by task; 95% paired-bootstrap intervals):")
     for split in splits:
         templates = task_templates(run["data"], split)

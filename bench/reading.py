@@ -17,9 +17,9 @@ from collections import defaultdict
 
 from bench.common import ROOT
 
-# the step as train.py runs it: draw tasks, keep mixed groups, roll out, score, advantages, update
-STEP = ["train.py:sample_tasks", "train.py:mixed_first", "agentrl.py:rollout_groups", "train.py:score_groups",
-        "grpo.py:batch_from_groups", "grpo.py:grpo_step"]
+# the step as train.py runs it (train_step: tasks, rollouts, mixed groups kept, advantages), and what
+# it calls through the run's fields at their defaults: the scorer, the estimator and the update
+STEP = ["train.py:train_step", "train.py:score_groups", "grpo.py:grpo_advantages", "grpo.py:grpo_step"]
 IMPLICIT = ("__init__", "__call__", "forward", "__post_init__", "__enter__", "__exit__")
 FUNCTION = (ast.FunctionDef, ast.AsyncFunctionDef)
 

@@ -21,6 +21,7 @@ from torch.profiler import ProfilerActivity, profile
 from transformers import DynamicCache
 
 import agentrl
+import engine
 import kvcache
 import lora
 import parallel
@@ -39,7 +40,7 @@ def bench_rollout(args):
     floor of the forwards' work at this machine's rates, what keeps the weight matmuls above it
     (weight_stream_rates), and where the forwards' time goes (the same rollout under the profiler)."""
     n, num_tasks = 8, 2
-    sampling = agentrl.Sampling(temperature=0.7, seed=args.seed)
+    sampling = engine.Sampling(temperature=0.7, seed=args.seed)
     limits = agentrl.Limits(max_turns=3, max_new_tokens=96, max_context=2048)
     model, tokenizer = lora.load_model()
     if args.adapter:
@@ -346,7 +347,7 @@ def eval_variant(args, variant) -> dict:
         lora.load_adapter(model, lora.find_adapter(args.adapter))
     tasks = sql_env.load_tasks("default", args.split)
     tasks = tasks[:args.tasks] if args.tasks else tasks
-    greedy = agentrl.Sampling(greedy=True, weight_dtype=weight_dtype)
+    greedy = engine.Sampling(greedy=True, weight_dtype=weight_dtype)
 
     def episodes(share, max_rows):   # outcomes, engine counters, this process's peak above its start, each episode's tokens
         start = resident_bytes("VmRSS")

@@ -28,7 +28,7 @@ import judge
 import lora
 import sql_env
 import train
-from bench.common import (bench_env, chosen_variants, in_fresh_process, mean_or_nan, random_batch, reset_resident_peak,
+from bench.common import (bench_env, chosen_variants, in_fresh_process, mean_or_nan, one_group_batch, random_batch, reset_resident_peak,
                           resident_bytes, run_records)
 
 
@@ -78,7 +78,7 @@ def memory_variant(args, variant) -> dict:
                              chunk_size=None if variant == "unchunked" else grpo.GRPOConfig.chunk_size)
     B, T = 8, 1024
     trajs, advantages = random_batch(model.config.vocab_size, B, T, prompt=256, seed=args.seed)
-    batch = [(agentrl.make_group(None, trajs), advantages)]
+    batch = one_group_batch(trajs, advantages)
 
     if device.type == "cuda":
         method = "torch.cuda.max_memory_allocated"
@@ -164,7 +164,7 @@ def forwarded_tokens(group, micro_batch_size):
              for k in range(0, len(group.trajectories), micro_batch_size)]
 
     def count(node):
-        return sum(len(node.tokens) for part in parts if part.intersection(node.rows)) + sum(map(count, node.children))
+        return sum(len(node.tokens) for part in parts if part.intersection(node.through)) + sum(map(count, node.children))
     return count(group.tree)
 
 
@@ -180,7 +180,7 @@ def update_variant(args, variant) -> dict:
     tasks = random.Random(args.seed).sample(sql_env.load_tasks("default", "train"), 4)
     groups = update_groups(model, tokenizer, tasks, UPDATE_GROUP, limits, config.chunk_size)
     rewards = [[float(j % 2) for j in range(UPDATE_GROUP)] for _ in groups]     # mixed: every group trains
-    steps = [grpo.batch_from_groups([g], [r]) for g, r in zip(groups, rewards)]
+    steps = [grpo.make_batch([g], [r]) for g, r in zip(groups, rewards)]
     scaler = torch.amp.GradScaler("cpu", enabled=False)
     grpo.grpo_step(model, optimizer, steps[0][0], config, scaler)          # warm-up
     reset_resident_peak()

@@ -1,8 +1,12 @@
-"""Tests for agentrl.py: the tool-call format and the rollout engine's exactness.
+"""Tests for agentrl.py (the tool-call format, episodes, demonstrations) and engine.py (the rollout
+engine's exactness).
 
 The rollout tests drive tiny random models. Such a model never writes a tool call by itself, so
-the engine's `forced_turns` hook scripts the start of chosen turns; the recorded log-probs of
-forced tokens are still the raw model's, so the exactness checks cover them too.
+bench.common.scripted_policy scripts the start of chosen turns from outside the engine. A
+scripted token's log-prob is filled in after the rollout by a full forward under the policy
+sampled, so the exactness checks hold for it by construction; what they test of the engine is
+every token it sampled, many of them after scripted turns and tool results in its cache
+(`engine_sampled` picks those out where a check must not count scripted ones).
 """
 import json
 import math
@@ -15,7 +19,9 @@ import torch
 import torch.nn.functional as F
 
 import agentrl
+import engine
 import lora
+from bench.common import scripted_policy
 
 TOOLS = [
     {"type": "function", "function": {"name": "run_sql", "description": "Run a read-only SQL query.",
@@ -75,10 +81,20 @@ SCRIPT = [
 LIMITS = agentrl.Limits(max_turns=3, max_new_tokens=48, max_context=1024)
 
 
-def rollout(model, tokenizer, seed=0, sampling=None, **kw):
-    sampling = sampling or agentrl.Sampling(seed=seed)
-    kw.setdefault("forced_turns", SCRIPT)
-    return agentrl.rollout_groups(model, tokenizer, TASKS, 4, sampling, LIMITS, make_env=FakeEnv, **kw)
+def rollout(model, tokenizer, seed=0, sampling=None, turns=SCRIPT, **kw):
+    """TASKS' groups of 4 under the policy scripted by `turns` (scripted_policy's)."""
+    sampling = sampling or engine.Sampling(seed=seed)
+    with scripted_policy(turns):
+        return engine.rollout_groups(model, tokenizer, TASKS, 4, sampling, LIMITS, make_env=FakeEnv, **kw)
+
+
+def engine_sampled(trajectory, turns, tokenizer):
+    """(T,) bool: the tokens the engine sampled itself, i.e. the trained ones (mask 1) less the
+    scripted start of each turn (`turns`, the row's texts in scripted_policy, turn by turn)."""
+    mask = torch.tensor(trajectory.assistant_mask, dtype=torch.bool)
+    for k, (start, _) in enumerate(trajectory.turns[:len(turns)]):
+        mask[start:start + len(agentrl.encode(tokenizer, turns[k]))] = False
+    return mask
 
 
 def full_forward_logprobs(model, token_ids, weight_dtype=None):
@@ -121,17 +137,17 @@ def scripted(request):
 @contextmanager
 def fed_tokens():
     """The real tokens each of the engine's forwards is fed, in order (a list filled as it runs)."""
-    fed, original = [], agentrl.CachedForward
+    fed, original = [], engine.CachedForward
 
     class Counting(original):
         def __call__(self, ids, mask, cache):
             fed.append(int(mask[:, -ids.shape[1]:].sum()))
             return super().__call__(ids, mask, cache)
-    agentrl.CachedForward = Counting
+    engine.CachedForward = Counting
     try:
         yield fed
     finally:
-        agentrl.CachedForward = original
+        engine.CachedForward = original
 
 
 
@@ -143,12 +159,16 @@ def test_rollout_logprobs_equal_full_forward(kind, tok, scripted):
     """The recorded log-probs are what GRPO's fresh forward over token_ids computes: the cache
     reuse, holes, position ids from the mask and ragged appends change nothing (< 1e-4, fp32)."""
     model, tokenizer, groups, _ = scripted(kind, tok)
-    for traj in (t for g in groups for t in g.trajectories):
+    trajs = [t for g in groups for t in g.trajectories]
+    for traj in trajs:
         reference = full_forward_logprobs(model, traj.token_ids)
         mask = torch.tensor(traj.assistant_mask, dtype=torch.bool)
         recorded = torch.tensor(traj.sampled_logprobs)
         assert mask.any() and (recorded[~mask] == 0).all()
         assert (recorded[mask] - reference[mask]).abs().max() < 1e-4, traj.stop_reason
+    # what this tests of the engine: the tokens it sampled, some after a scripted turn and a tool result
+    sampled = [engine_sampled(t, turns, tokenizer) for t, turns in zip(trajs, SCRIPT)]
+    assert any(m[t.turns[1][0]:].any() for t, m in zip(trajs, sampled) if len(t.turns) > 1)
 
 
 @pytest.mark.parametrize("kind,tok", PAIRS)
@@ -220,10 +240,10 @@ def test_each_trajectory_is_a_path_of_its_group_s_tree(scripted):
 
         def walk(node, end):
             assert node.start == end
-            for i in node.rows:
+            for i in node.through:
                 paths[i].append(node)
             for child in node.children:
-                assert set(child.rows) <= set(node.rows)
+                assert set(child.through) <= set(node.through)
                 walk(child, node.start + len(node.tokens))
         walk(group.tree, 0)
         for i, t in enumerate(group.trajectories):
@@ -235,13 +255,13 @@ def test_each_trajectory_is_a_path_of_its_group_s_tree(scripted):
 def test_no_tasks_no_groups(tiny_llama, smol_tokenizer):
     """A process whose share is empty (torchrun with fewer held-out tasks than processes) gets no
     groups, and an evaluation of nothing is nothing; it used to fail on an empty prompt list."""
-    assert agentrl.rollout_groups(tiny_llama, smol_tokenizer, [], 2, agentrl.Sampling(seed=0), LIMITS) == []
+    assert engine.rollout_groups(tiny_llama, smol_tokenizer, [], 2, engine.Sampling(seed=0), LIMITS) == []
 
 
 def test_rollout_is_reproducible_from_seed(tiny_llama, smol_tokenizer):
     """Same seed, same tokens; another seed, other tokens (sampling goes through the generator)."""
     def run(seed):
-        groups = agentrl.rollout_groups(tiny_llama, smol_tokenizer, TASKS[:1], 2, agentrl.Sampling(seed=seed),
+        groups = engine.rollout_groups(tiny_llama, smol_tokenizer, TASKS[:1], 2, engine.Sampling(seed=seed),
                                         agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv)
         return [t.token_ids for t in groups[0].trajectories]
     assert run(1) == run(1) and run(1) != run(2)
@@ -250,8 +270,8 @@ def test_rollout_is_reproducible_from_seed(tiny_llama, smol_tokenizer):
 def test_greedy_rows_agree(tiny_llama, smol_tokenizer):
     """Greedy decoding is deterministic: unscripted rows of one group produce identical tokens,
     whatever their neighbours in the batch do."""
-    groups = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True),
-                     forced_turns=[[]] * 3 + [[call("submit_answer", "SELECT 3")]] + [[]] * 4)
+    groups = rollout(tiny_llama, smol_tokenizer, sampling=engine.Sampling(greedy=True),
+                     turns=[[]] * 3 + [[call("submit_answer", "SELECT 3")]] + [[]] * 4)
     rows = groups[0].trajectories[:3] + groups[1].trajectories
     assert rows[0].token_ids == rows[1].token_ids == rows[2].token_ids
     assert rows[3].token_ids == rows[4].token_ids
@@ -266,10 +286,10 @@ def test_continuous_batching_equals_one_batch(tiny_llama, smol_tokenizer, max_ro
     widths = []
     hook = tiny_llama.lm_head.register_forward_hook(lambda module, inputs, output: widths.append(len(output)))
     try:
-        joined = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True), max_rows=max_rows)
+        joined = rollout(tiny_llama, smol_tokenizer, sampling=engine.Sampling(greedy=True), max_rows=max_rows)
     finally:
         hook.remove()
-    whole = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=True))
+    whole = rollout(tiny_llama, smol_tokenizer, sampling=engine.Sampling(greedy=True))
     assert max(widths) == max_rows                         # the prefix forward is one row, then never more
     for a, b in zip([t for g in joined for t in g.trajectories], [t for g in whole for t in g.trajectories]):
         assert a.token_ids == b.token_ids and a.stop_reason == b.stop_reason
@@ -290,16 +310,18 @@ def test_weights_in_bf16_record_the_bf16_policys_logprobs(greedy, tiny_llama, sm
     merged = []
     hooks = [m.register_forward_pre_hook(lambda module, inputs: merged.append(module.merged.dtype)) for m in layers]
     try:
-        half = rollout(tiny_llama, smol_tokenizer, sampling=agentrl.Sampling(greedy=greedy, weight_dtype=torch.bfloat16))
+        half = rollout(tiny_llama, smol_tokenizer, sampling=engine.Sampling(greedy=greedy, weight_dtype=torch.bfloat16))
     finally:
         for hook in hooks:
             hook.remove()
     assert merged and set(merged) == {torch.bfloat16}
     assert all(m.merged is None for m in layers) and tiny_llama.lm_head.weight.dtype == torch.float32
     to_fp32, to_bf16 = [], []
-    for t in [t for g in half for t in g.trajectories]:
-        mask = torch.tensor(t.assistant_mask)
-        recorded = torch.tensor(t.sampled_logprobs)
+    for t, turns in zip([t for g in half for t in g.trajectories], SCRIPT):
+        mask = engine_sampled(t, turns, smol_tokenizer)     # the engine's; a scripted token's are bf16 by construction
+        if not mask.any():
+            continue
+        recorded = torch.tensor(t.sampled_logprobs) * mask
         to_fp32.append((recorded - full_forward_logprobs(tiny_llama, t.token_ids) * mask).abs().max())
         to_bf16.append((recorded - full_forward_logprobs(tiny_llama, t.token_ids, torch.bfloat16) * mask).abs().max())
     assert 1e-3 < max(to_fp32) < 0.5, to_fp32      # this random model's logits are large; fp32 is within 1e-4
@@ -323,7 +345,7 @@ def test_non_finite_logits_end_only_their_row(tiny_llama, smol_tokenizer):
 
         hook = tiny_llama.lm_head.register_forward_hook(nan_in_row_0)
         try:
-            groups = agentrl.rollout_groups(tiny_llama, smol_tokenizer, TASKS[:1], 3, agentrl.Sampling(greedy=True),
+            groups = engine.rollout_groups(tiny_llama, smol_tokenizer, TASKS[:1], 3, engine.Sampling(greedy=True),
                                             agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv)
         finally:
             hook.remove()
@@ -350,9 +372,9 @@ def test_only_stop_tokens_the_template_writes_end_a_turn(qwen_tokenizer):
     im_end, endoftext = qwen_tokenizer.convert_tokens_to_ids(["<|im_end|>", "<|endoftext|>"])
     model.generation_config.eos_token_id = [im_end, endoftext]
     assert agentrl.stop_token_ids(qwen_tokenizer) == {im_end}
-    groups = agentrl.rollout_groups(model, qwen_tokenizer, TASKS[:1], 1, agentrl.Sampling(seed=0),
-                                    agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv,
-                                    forced_turns=[["Hi<|endoftext|>"]])
+    with scripted_policy([["Hi<|endoftext|>"]]):
+        groups = engine.rollout_groups(model, qwen_tokenizer, TASKS[:1], 1, engine.Sampling(seed=0),
+                                       agentrl.Limits(max_turns=1, max_new_tokens=8), make_env=FakeEnv)
     traj = groups[0].trajectories[0]
     assert traj.stop_reason == "max_new_tokens" and traj.messages[-1]["content"].startswith("Hi<|endoftext|>")
     text = qwen_tokenizer.decode(traj.token_ids, skip_special_tokens=False, clean_up_tokenization_spaces=False)
@@ -389,8 +411,9 @@ def test_real_environment_round_trip(tiny_llama, smol_tokenizer):
     task = sql_env.load_tasks()[0]
     run = f'<tool_call>{json.dumps({"name": "run_sql", "arguments": {"query": task.gold_sql}})}</tool_call>'
     submit = run.replace('"run_sql"', '"submit_answer"')
-    group = agentrl.rollout_group(tiny_llama, smol_tokenizer, task, 2, agentrl.Sampling(seed=0), agentrl.Limits(max_new_tokens=200),
-                                  forced_turns=[[run, submit], [submit.replace(task.gold_sql, "SELECT 1")]])
+    with scripted_policy([[run, submit], [submit.replace(task.gold_sql, "SELECT 1")]]):
+        group = engine.rollout_group(tiny_llama, smol_tokenizer, task, 2, engine.Sampling(seed=0),
+                                     agentrl.Limits(max_new_tokens=200))
     good, bad = group.trajectories
     assert good.stop_reason == bad.stop_reason == "submitted"
     assert good.correct and good.submitted_sql == task.gold_sql and good.num_turns == 2 and not bad.correct
@@ -414,8 +437,8 @@ def test_scripted_trajectory_equals_the_forced_rollout(kind, tok, tiny_model_fac
     tasks = demo_tasks()
     limits = agentrl.Limits(max_turns=5, max_new_tokens=160)
     turns = [agentrl.gold_turns(task, limits.max_turns) for task in tasks]
-    groups = agentrl.rollout_groups(tiny_model_factory(kind), tokenizer, tasks, 1, agentrl.Sampling(seed=0), limits,
-                                    forced_turns=turns)
+    with scripted_policy(turns):
+        groups = engine.rollout_groups(tiny_model_factory(kind), tokenizer, tasks, 1, engine.Sampling(seed=0), limits)
     for task, task_turns, group in zip(tasks, turns, groups):
         rolled = group.trajectories[0]
         scripted = agentrl.scripted_trajectory(tokenizer, task, task_turns, limits)
@@ -448,6 +471,23 @@ def test_demonstrations_count_what_they_show(smol_tokenizer):
     assert failing.failed_submission and not failing.correct and failing.stop_reason == "submitted"
 
 
+def test_a_demonstration_with_the_default_limits(smol_tokenizer):
+    """The call agentrl's docstring shows, demonstration(tokenizer, task), with the default Limits:
+    they leave room for the DEMO_TURNS a demonstration takes (while Limits.max_turns defaulted to 3,
+    gold_turns refused it), and the demonstration is the scripted trajectory of its gold turns,
+    every turn trained."""
+    limits = agentrl.Limits()
+    assert limits.max_turns >= agentrl.DEMO_TURNS
+    for task, tables in zip(demo_tasks(), (1, 2)):
+        demo = agentrl.demonstration(smol_tokenizer, task)
+        turns = agentrl.gold_turns(task, limits.max_turns)
+        assert demo.stop_reason == "submitted" and demo.correct and not demo.failed_submission
+        assert demo.num_tool_errors == 0 and demo.num_describe_calls == min(tables, limits.max_turns - 3)
+        assert demo.num_turns == len(turns) == 3 + demo.num_describe_calls
+        assert demo.token_ids == agentrl.scripted_trajectory(smol_tokenizer, task, turns).token_ids
+        assert sum(demo.assistant_mask) == sum(len(agentrl.encode(smol_tokenizer, text)) for text in turns)
+
+
 def test_a_demonstration_does_not_imitate_a_turn_the_tool_refused(smol_tokenizer):
     """A gold query whose result is too large for run_sql (a Spider or BIRD query can be) gets an
     error observation; the warm start must not learn to write that turn, only the others."""
@@ -475,7 +515,7 @@ def test_branched_rows_go_on_from_a_state_and_train_only_on_what_they_sample(rul
     its log-probs are a fresh forward's, its tokens the template's rendering of its messages; the
     tree shares the copied turns, so the branch point is a state two trajectories pass through."""
     model, tokenizer, groups, _ = scripted("llama", "smol_tokenizer")
-    branched = agentrl.branch_groups(model, tokenizer, groups, 7, agentrl.Sampling(seed=3), LIMITS, rule,
+    branched = engine.branch_groups(model, tokenizer, groups, 7, engine.Sampling(seed=3), LIMITS, rule,
                                      make_env=FakeEnv)
     deep = 0
     for group, before in zip(branched, groups):
@@ -501,6 +541,6 @@ def test_branched_rows_go_on_from_a_state_and_train_only_on_what_they_sample(rul
                 deep += 1
                 node = group.tree.children[0]
                 for _ in range(j):
-                    node = next(c for c in node.children if i in c.rows)
-                assert i in node.rows and any(p in node.rows for p in range(4))
+                    node = next(c for c in node.children if i in c.through)
+                assert i in node.through and any(p in node.through for p in range(4))
     assert deep, "some row branched past the prompt"

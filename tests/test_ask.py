@@ -6,7 +6,9 @@ import pytest
 
 import agentrl
 import ask
+import engine
 import lora
+from bench.common import scripted_policy
 
 
 @pytest.fixture
@@ -41,22 +43,24 @@ def test_ask_one_question_ends_with_a_clear_no_answer(tiny_model_dir, shop_db, c
 
 
 def test_ask_prints_tool_calls_and_the_answer_rows(tiny_model_dir, shop_db, capsys, monkeypatch):
-    """Scripted turns (the engine's forced_turns hook) stand in for a trained model: each tool call
-    and a short view of its observation is printed in order, then the submitted query and its
-    rows, run again in the sandbox. The database is byte-identical afterwards, though the agent
+    """Scripted turns (bench.common.scripted_policy) stand in for a trained model: each tool call
+    and a short view of its observation is printed in order, after the rollout returns, then the
+    submitted query and its rows, run again in the sandbox. The database is byte-identical afterwards, though the agent
     ran queries (and tried to write)."""
     db, digest, before = shop_db
     turns = [agentrl.tool_call_text("list_tables", {}),
              agentrl.tool_call_text("run_sql", {"query": "DELETE FROM orders"}),
              agentrl.tool_call_text("submit_answer", {"query": "SELECT COUNT(*) FROM orders"})]
-    real = agentrl.rollout_groups
+    real = engine.rollout_groups
 
-    def scripted(*args, **kw):
-        groups = real(*args, forced_turns=[turns], **kw)
+    def returned(*args, **kw):
+        groups = real(*args, **kw)
         print("ROLLOUT RETURNED")
         return groups
-    monkeypatch.setattr(agentrl, "rollout_groups", scripted)
-    [trajectory] = ask.main(["--db", db, "--model", tiny_model_dir, "--max-new-tokens", "48", "How many orders are there?"])
+    monkeypatch.setattr(engine, "rollout_groups", returned)     # patched first: scripted_policy wraps it
+    with scripted_policy([turns]):
+        [trajectory] = ask.main(["--db", db, "--model", tiny_model_dir, "--max-new-tokens", "48",
+                                 "How many orders are there?"])
     out = capsys.readouterr().out
     assert trajectory.stop_reason == "submitted" and trajectory.submitted_sql == "SELECT COUNT(*) FROM orders"
     calls = ["ROLLOUT RETURNED", "   1. list_tables", "customers: id, name", "   2. run_sql  DELETE FROM orders",

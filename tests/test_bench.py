@@ -13,8 +13,9 @@ import time
 import pytest
 
 import train
+import engine
 import evaluate
-from bench import accelerations, common, engine, learn, update
+from bench import accelerations, common, learn, rollout, update
 from bench.__main__ import main
 from files import read_json, read_jsonl
 
@@ -141,7 +142,7 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
     ids = torch.randint(0, 100, (4, 24))
     start = time.perf_counter()
     with torch.no_grad():
-        parts = engine.profiled_seconds(lambda: tiny_llama(input_ids=ids, attention_mask=torch.ones_like(ids)),
+        parts = rollout.profiled_seconds(lambda: tiny_llama(input_ids=ids, attention_mask=torch.ones_like(ids)),
                                        {"matmuls": "aten::linear", "attention": "aten::scaled_dot_product_attention",
                                         "absent": "aten::no_such_op"})
     wall = time.perf_counter() - start
@@ -150,7 +151,7 @@ def test_profiled_seconds_finds_the_matmuls_and_the_attention_of_a_forward(tiny_
 
 
 def test_forward_work_counts_the_flops_torch_counts(tiny_llama):
-    """The floor's FLOPs (engine.forward_work, from bench.common.CountingForward's counters) are the
+    """The floor's FLOPs (rollout.forward_work, from bench.common.CountingForward's counters) are the
     ones torch's FLOP counter sees in the same forwards: a 120-token prompt fed to 3 rows (a flush),
     then one token a row against the cache (norm weights count as matmul weights: well under 1%).
     Eager attention, whose matmuls the counter sees (it counts nothing for SDPA on a CPU)."""
@@ -168,10 +169,10 @@ def test_forward_work_counts_the_flops_torch_counts(tiny_llama):
     assert (stats["forwards"], stats["flush_forwards"], stats["fed_tokens"], stats["flush_fed_tokens"]) == (2, 1, 363, 360)
     assert (stats["logit_rows"], stats["cache_columns"], stats["query_key_pairs"]) == (6, 3 * 120 + 3 * 121, 360 * 120 + 3 * 121)
     assert 0 < stats["flush_forward_s"] < stats["forward_s"]
-    work, flush = engine.forward_work(tiny_llama, stats), engine.forward_work(tiny_llama, stats, "flush_")
+    work, flush = rollout.forward_work(tiny_llama, stats), rollout.forward_work(tiny_llama, stats, "flush_")
     assert work["matmul_flops"] + work["attention_flops"] == pytest.approx(counter.get_total_flops(), rel=0.005)
     assert 0 < flush["matmul_flops"] < work["matmul_flops"] and 0 < flush["attention_flops"] < work["attention_flops"]
-    assert engine.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
+    assert rollout.floor_seconds(work, bandwidth=1.0, flops=1e30)["all"] == work["matmul_bytes"] + work["attention_bytes"]
 
 
 def test_counted_rollout_counts_the_forwards_and_changes_no_trajectory(tiny_llama, smol_tokenizer):
@@ -181,11 +182,11 @@ def test_counted_rollout_counts_the_forwards_and_changes_no_trajectory(tiny_llam
     import agentrl
     import sql_env
     tasks = sql_env.load_tasks()[:2]
-    sampling, limits = agentrl.Sampling(seed=3), agentrl.Limits(max_turns=2, max_new_tokens=6, max_context=1024)
-    plain = agentrl.rollout_groups(tiny_llama, smol_tokenizer, tasks, 2, sampling, limits)
-    original = agentrl.CachedForward
+    sampling, limits = engine.Sampling(seed=3), agentrl.Limits(max_turns=2, max_new_tokens=6, max_context=1024)
+    plain = engine.rollout_groups(tiny_llama, smol_tokenizer, tasks, 2, sampling, limits)
+    original = engine.CachedForward
     groups, stats = common.counted_rollout(tiny_llama, smol_tokenizer, tasks, 2, sampling, limits)
-    assert agentrl.CachedForward is original
+    assert engine.CachedForward is original
     assert [[t.token_ids for t in g.trajectories] for g in groups] == [[t.token_ids for t in g.trajectories] for g in plain]
     generated = sum(sum(t.assistant_mask) for g in groups for t in g.trajectories)
     assert stats["generated_tokens"] == generated > 0
@@ -211,7 +212,7 @@ def test_weight_stream_rates_read_the_weights_a_decode_forward_multiplies(tiny_l
     import lora
     lora.apply_lora(tiny_llama, r=4)
     rows = 3
-    rates = engine.weight_stream_rates(tiny_llama, rows)
+    rates = rollout.weight_stream_rates(tiny_llama, rows)
     forward, cache = common.CountingForward(tiny_llama), kvcache.KVCache(tiny_llama.config)
     with torch.no_grad(), lora.lora_merged(tiny_llama), FlopCounterMode(display=False) as counter:
         forward(torch.randint(0, 100, (rows, 1)), torch.ones((rows, 1), dtype=torch.long), cache)
@@ -247,7 +248,7 @@ def test_accelerations_bench_takes_each_one_out_and_puts_it_back(tiny_model_dir,
     import agentrl
     import forward
     import lora
-    originals = [agentrl.common_prefix_length, agentrl._distinct_histories, agentrl.pack_left, lora.lora_merged,
+    originals = [engine.common_prefix_length, engine._distinct_histories, engine.pack_left, lora.lora_merged,
                  forward.tree_logprobs]
     monkeypatch.setattr(accelerations, "STEP", dict(accelerations.STEP, tasks=2, group=2, kept=1, max_turns=2,
                                                     max_new_tokens=4))
@@ -261,7 +262,7 @@ def test_accelerations_bench_takes_each_one_out_and_puts_it_back(tiny_model_dir,
     fed = int(rows["all on"][1])
     assert int(rows["prompts' common prefix once"][1]) > fed and int(rows["rows that agree fed once"][1]) > fed, out
     assert all(rows[name][1] == "-" for name in rows if rows[name][0] == "update"), out
-    assert [agentrl.common_prefix_length, agentrl._distinct_histories, agentrl.pack_left, lora.lora_merged,
+    assert [engine.common_prefix_length, engine._distinct_histories, engine.pack_left, lora.lora_merged,
             forward.tree_logprobs] == originals
 
 

@@ -6,6 +6,7 @@ import os
 import pytest
 import torch
 
+import engine
 import evaluate
 import lora
 
@@ -56,7 +57,7 @@ def test_a_forked_evaluation_that_dies_leaves_the_model_as_it_was(splits, smol_t
     import agentrl
     model = build_tiny_model("llama")
     layers = lora.apply_lora(model, r=4, alpha=8) and [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
-    monkeypatch.setattr(agentrl, "rollout_groups", lambda *args, **kwargs: os._exit(3))
+    monkeypatch.setattr(engine, "rollout_groups", lambda *args, **kwargs: os._exit(3))
     model.train()
     with pytest.raises(RuntimeError, match="died without a result"):
         evaluate.evaluate(model, smol_tokenizer, splits["test"][:2], agentrl.Limits(), processes=2)
@@ -75,14 +76,14 @@ def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits,
     import agentrl
     model, tasks = build_tiny_model("llama"), splits["test"][:5]
     layers = lora.apply_lora(model, r=4, alpha=8) and [m for m in model.modules() if isinstance(m, lora.LoRALinear)]
-    rollout_groups = agentrl.rollout_groups
+    rollout_groups = engine.rollout_groups
 
     def merged_before(*args, **kwargs):
         assert os.getpid() == parent or all(m.merged is not None for m in layers), "a fork merged the LoRA itself"
         assert all(m.merged.dtype == (weight_dtype or torch.float32) for m in layers if m.merged is not None)
         return rollout_groups(*args, **kwargs)
     parent = os.getpid()
-    monkeypatch.setattr(agentrl, "rollout_groups", merged_before)
+    monkeypatch.setattr(engine, "rollout_groups", merged_before)
     limits = agentrl.Limits(max_turns=2, max_new_tokens=12, max_context=1024)
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

@@ -14,13 +14,17 @@ last-digit change of a near-zero gradient into a change of lr).
 """
 import hashlib
 import json
+from functools import partial
 
 import pytest
 import torch
 
 import agentrl
+import engine
 import grpo
 import lora
+import report
+from bench.common import scripted_policy
 from conftest import build_tiny_model
 
 LIMITS = agentrl.Limits(max_turns=3, max_new_tokens=96, max_context=2048)
@@ -43,17 +47,17 @@ def token_hash(groups):
 
 @pytest.fixture(scope="module")
 def rollout(splits, smol_tokenizer):
-    """Two train tasks, four sampled rows each; two rows forced through tool calls, so the groups
-    hold multi-turn trajectories with tool results (mask 0) between sampled turns."""
+    """Two train tasks, four sampled rows each; two rows scripted through tool calls (scripted_policy),
+    so the groups hold multi-turn trajectories with tool results (mask 0) between sampled turns."""
     tasks = splits["train"][:2]
     torch.manual_seed(0)
     model = build_tiny_model("llama", seed=0)
     lora.apply_lora(model, r=4, alpha=8, targets=("q_proj", "v_proj"))
     list_tables = agentrl.tool_call_text("list_tables", {})
-    forced = [[list_tables, agentrl.tool_call_text("submit_answer", {"query": tasks[0].gold_sql})],
-              [list_tables]] + [[]] * (2 * N - 2)
-    groups = agentrl.rollout_groups(model, smol_tokenizer, tasks, N, agentrl.Sampling(seed=0), LIMITS,
-                                    forced_turns=forced)
+    scripted = [[list_tables, agentrl.tool_call_text("submit_answer", {"query": tasks[0].gold_sql})],
+                [list_tables]] + [[]] * (2 * N - 2)
+    with scripted_policy(scripted):
+        groups = engine.rollout_groups(model, smol_tokenizer, tasks, N, engine.Sampling(seed=0), LIMITS)
     return model, groups
 
 
@@ -66,7 +70,7 @@ def test_sampled_rollouts_give_the_recorded_tokens(rollout):
 
 def grpo_update(model, batch):
     """One GRPO step on `batch` from the fixture's adapter, perturbed the same way every time, which it
-    restores after: (stats, update_fingerprint, the adapter after the step)."""
+    restores after: (stats, update_fingerprint)."""
     params = lora.lora_parameters(model)
     initial = [p.detach().clone() for p in params]
     g = torch.Generator().manual_seed(1)
@@ -82,7 +86,7 @@ def grpo_update(model, batch):
     with torch.no_grad():
         for p, p0 in zip(params, initial):
             p.copy_(p0)
-    return stats, update_fingerprint(after, before), after
+    return stats, update_fingerprint(after, before)
 
 
 REWARDS = [[1.0, 0.0, 0.5, 0.0], [0.0, 1.0, 1.0, 0.2]]
@@ -93,26 +97,15 @@ def test_one_grpo_update_gives_the_recorded_loss_gradient_and_adapter(rollout, s
     """One GRPO step on those groups (scripted rewards, each group's tree forwarded once); w = 0 is
     GRPO, w = 1 adds the step advantage at the state rows 0 and 1 share (after list_tables)."""
     model, groups = rollout
-    batch, counts = grpo.batch_from_groups(groups, REWARDS, step_credit=step_credit)
-    assert counts["trainable_groups"] == 2 and counts["anchor_states"] == 1
-    stats, fingerprint, _ = grpo_update(model, batch)
+    estimator = partial(grpo.step_credit_advantages, weight=step_credit) if step_credit else grpo.grpo_advantages
+    batch, counts = grpo.make_batch(groups, REWARDS, estimator)
+    assert counts["trainable_groups"] == 2 and len(report.shared_states(groups)[0]) == 1
+    stats, fingerprint = grpo_update(model, batch)
     assert not stats["skipped"]
     expected = EXPECTED["grpo" if step_credit == 0 else "grpo_step_credit"]
     assert stats["loss"] == pytest.approx(expected["loss"], rel=RTOL, abs=1e-6)
     assert stats["grad_norm"] == pytest.approx(expected["grad_norm"], rel=RTOL)
     assert fingerprint == pytest.approx(expected["update"], rel=RTOL)
-
-
-def test_advantages_given_per_token_update_bit_for_bit_as_one_per_trajectory(rollout):
-    """The step-credit path (a (B, T) advantage) with every token at its trajectory's A^E is GRPO's
-    update to the last bit: the same products, broadcast or not."""
-    model, groups = rollout
-    batch, _ = grpo.batch_from_groups(groups, REWARDS)
-    per_token = [(g, [None if a is None else [a] * len(t.token_ids) for t, a in zip(g.trajectories, advs)])
-                 for g, advs in batch]
-    _, _, shared = grpo_update(model, batch)
-    _, _, spread = grpo_update(model, per_token)
-    assert all(torch.equal(a, b) for a, b in zip(shared, spread))
 
 
 def test_one_sft_step_gives_the_recorded_loss_gradient_and_adapter(splits, smol_tokenizer):

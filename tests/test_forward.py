@@ -103,9 +103,17 @@ def trajectories(n=6, seed=0):
     return out
 
 
-def as_batch(trajs, advantages):
-    """The trajectories as one group, in the batch grpo_step takes."""
-    return [(agentrl.make_group(None, trajs), list(advantages))]
+def per_token(trajs, advantages):
+    """One advantage a trajectory, on every one of its tokens: the advantages a Batch holds."""
+    return [[a] * len(t.token_ids) for t, a in zip(trajs, advantages)]
+
+
+def as_batch(trajs, advantages, step=None):
+    """The trajectories as one group, in the Batch grpo_step takes; the normalizer's counts those of
+    the step's trajectories `step` (default: these)."""
+    masks = [sum(t.assistant_mask) for t in (step or trajs)]
+    return grpo.Batch([agentrl.make_group(None, trajs)], [per_token(trajs, advantages)], len(masks), sum(masks),
+                      max(masks))
 
 
 def step(model, params, config, trajs=None, advantages=ADVANTAGES, lr=0.1, **kw):
@@ -119,10 +127,10 @@ def test_make_group_shares_a_node_exactly_where_trajectories_share_their_turns()
     """The prompt is one node for all; trajectories 0-3's first turn one node; 0-1's second one."""
     tree = group().tree
     (prompt,) = tree.children
-    assert prompt.rows == list(range(6)) and prompt.start == 0 and len(prompt.tokens) == 12
-    shared = [c for c in prompt.children if len(c.rows) > 1]
-    assert [c.rows for c in prompt.children] == [[0, 1, 2, 3], [4], [5]] and len(shared[0].tokens) == 14
-    assert [c.rows for c in shared[0].children] == [[0, 1], [2], [3]] and shared[0].children[0].start == 26
+    assert prompt.through == list(range(6)) and prompt.start == 0 and len(prompt.tokens) == 12
+    shared = [c for c in prompt.children if len(c.through) > 1]
+    assert [c.through for c in prompt.children] == [[0, 1, 2, 3], [4], [5]] and len(shared[0].tokens) == 14
+    assert [c.through for c in shared[0].children] == [[0, 1], [2], [3]] and shared[0].children[0].start == 26
 
 
 def test_pack_lays_each_shared_token_once_and_lets_a_token_see_only_its_own_path():
@@ -171,7 +179,7 @@ def test_a_group_forwarded_as_its_tree_gives_the_update_of_forwarding_every_sequ
     g = group()
     model, params = tiny_model()
     perturb_lora(params)
-    b = forward.collate(g.trajectories, ADVANTAGES, torch.device("cpu"))
+    b = forward.collate(g.trajectories, per_token(g.trajectories, ADVANTAGES), torch.device("cpu"))
     model.train()
     logps = whole_logprobs(model, g.trajectories)
     with torch.no_grad(), lora.lora_disabled(model):
@@ -184,8 +192,8 @@ def test_a_group_forwarded_as_its_tree_gives_the_update_of_forwarding_every_sequ
     perturb_lora(params)
     config = grpo.GRPOConfig(micro_batch_size=mbs, kl_coef=kl_coef, max_grad_norm=1e9, gradient_checkpointing=checkpointing)
     fed = count_fed_tokens(model)
-    stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), [(g, ADVANTAGES)], config, NO_SCALER,
-                           reference_context=lora.lora_disabled(model))
+    stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), as_batch(g.trajectories, ADVANTAGES), config,
+                           NO_SCALER, reference=lora.lora_disabled(model))
     if mbs == 8 and kl_coef == 0:    # one forward (twice with checkpointing) over the 5 rows with an advantage
         distinct = len(forward.pack(g.tree, [0, 1, 2, 3, 5])[0])
         assert fed == [distinct] * (1 + checkpointing) and distinct < sum(len(g.trajectories[i].token_ids) for i in (0, 1, 2, 3, 5))
@@ -202,7 +210,7 @@ def test_sft_step_on_a_tree_equals_the_whole_sequences(checkpointing):
     trajs = group().trajectories
     model, params = tiny_model()
     perturb_lora(params)
-    mask = forward.collate(trajs, [0.0] * 6, torch.device("cpu"))["mask"]
+    mask = forward.collate(trajs, None, torch.device("cpu"))["mask"]
     model.train()
     loss = -(whole_logprobs(model, trajs) * mask).sum() / mask.sum()
     expected = [p.detach() - 0.1 * gr for p, gr in zip(params, torch.autograd.grad(loss, params))]

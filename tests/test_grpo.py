@@ -16,25 +16,19 @@ import forward
 import grpo
 import lora
 import parallel
-from test_forward import ADVANTAGES, NO_SCALER, as_batch, perturb_lora, step, tiny_model, trajectories, whole_logprobs
+import report
+from test_forward import (ADVANTAGES, NO_SCALER, as_batch, per_token, perturb_lora, step, tiny_model, trajectories,
+                          whole_logprobs)
 
 
 # ---------------------------------------------------------------- advantages
 def test_advantages_are_group_normalized():
-    """GRPO: reward minus group mean over group std (n - 1); Dr. GRPO: no std division."""
-    adv, counts = grpo.group_advantages([[1.0, 2.0, 3.0], [0.0, 1.0]])
-    assert adv[0] == pytest.approx([-1.0, 0.0, 1.0])
-    assert adv[1] == pytest.approx([-math.sqrt(0.5), math.sqrt(0.5)])
-    adv, _ = grpo.group_advantages([[1.0, 2.0, 4.0]], scale_by_std=False)
-    assert adv[0] == pytest.approx([-4 / 3, -1 / 3, 5 / 3])
-    assert counts == {"groups": 2, "trainable_groups": 2, "zero_variance_groups": 0, "unscored_groups": 0}
-
-
-def test_zero_variance_and_unscored_groups_contribute_nothing_and_are_counted():
-    """An all-equal group has no signal and an unscored one has no rewards: both None, both counted."""
-    adv, counts = grpo.group_advantages([[0.5, 0.5, 0.5], None, [0.0, 1.0]])
-    assert adv[0] is None and adv[1] is None and adv[2] is not None
-    assert counts == {"groups": 3, "trainable_groups": 1, "zero_variance_groups": 1, "unscored_groups": 1}
+    """GRPO: reward minus group mean over group std (n - 1); Dr. GRPO: no std division; an
+    all-equal group: zeros (no signal)."""
+    assert grpo.normalized([1.0, 2.0, 3.0]) == pytest.approx([-1.0, 0.0, 1.0])
+    assert grpo.normalized([0.0, 1.0]) == pytest.approx([-math.sqrt(0.5), math.sqrt(0.5)])
+    assert grpo.normalized([1.0, 2.0, 4.0], scale_by_std=False) == pytest.approx([-4 / 3, -1 / 3, 5 / 3])
+    assert grpo.normalized([0.5, 0.5, 0.5]) == [0.0, 0.0, 0.0]
 
 
 def episode(turns, stop_reason="submitted"):
@@ -49,23 +43,25 @@ def episode(turns, stop_reason="submitted"):
                               len(turns), len(turns), 0, turns=starts)
 
 
-def test_batch_from_groups_drops_non_finite_rows_before_the_baseline():
+def test_make_batch_drops_non_finite_rows_before_the_baseline_and_counts_each_kind():
     """Rows cut on non-finite logits leave their group before the mean is taken (advantage None); a
-    group left with one row is unscored; an all-equal group adds nothing; the rest keep their order."""
-    def group(*rows):      # (reward, stop_reason) per trajectory
-        return agentrl.make_group(None, [episode([([3], [4])], s) for _, s in rows])
+    group left with one row is too small; an all-equal group has no signal; each is counted, and
+    only the trainable groups' trajectories carry advantages, one float a token."""
+    def group(*stops):
+        return agentrl.make_group(None, [episode([([3], [4])], s) for s in stops])
 
     ok, bad = "submitted", "non_finite_logits"
     rewards = [[1.0, 0.0, 5.0], [1.0, 0.0], [1.0, 1.0], [0.0, 2.0]]   # the 5.0 must not move the baseline
-    groups = [group((1.0, ok), (0.0, ok), (5.0, bad)),
-              group((1.0, ok), (0.0, bad)),                 # one row left: unscored
-              group((1.0, ok), (1.0, ok)),                  # all equal: no signal
-              group((0.0, ok), (2.0, ok))]
-    batch, counts = grpo.batch_from_groups(groups, rewards, scale_by_std=False)
-    assert [g for g, _ in batch] == [groups[0], groups[3]]
-    assert [advantages for _, advantages in batch] == [[0.5, -0.5, None], [-1.0, 1.0]]
-    assert counts["non_finite_trajectories"] == 2 and counts["unscored_groups"] == 1
-    assert counts["zero_variance_groups"] == 1 and counts["trainable_groups"] == 2
+    groups = [group(ok, ok, bad), group(ok, bad), group(ok, ok), group(ok, ok)]
+    batch, counts = grpo.make_batch(groups, rewards, functools.partial(grpo.grpo_advantages, scale_by_std=False))
+    assert batch.groups == groups
+    assert [[a and a[0] for a in advantages] for advantages in batch.advantages] == [
+        [0.5, -0.5, None], [None, None], [None, None], [-1.0, 1.0]]
+    assert all(a is None or a == [a[0]] * len(t.token_ids) for g, advantages in zip(groups, batch.advantages)
+               for t, a in zip(g.trajectories, advantages))
+    assert counts == {"groups": 4, "trainable_groups": 2, "no_signal_groups": 1, "too_small_groups": 1,
+                      "non_finite_trajectories": 2}
+    assert (batch.num_sequences, batch.num_tokens, batch.max_tokens) == (4, 4, 1)   # one sampled token each
 
 
 def test_step_credit_gives_each_turn_its_episode_and_step_advantage():
@@ -77,9 +73,10 @@ def test_step_credit_gives_each_turn_its_episode_and_step_advantage():
                                       episode([listing, describe, ([21, 22], [61])]),  # r = 0
                                       episode([listing, ([23], [62])]),                # r = 1
                                       episode([([24, 25, 26], [63])])])                # r = 0
-    rewards = [[1.0, 0.0, 1.0, 0.0]]
-    assert grpo.batch_from_groups([group], rewards, scale_by_std=False)[0][0][1] == [0.5, -0.5, 0.5, -0.5]
-    (_, advantages), = grpo.batch_from_groups([group], rewards, scale_by_std=False, step_credit=0.5)[0]
+    rewards = [1.0, 0.0, 1.0, 0.0]
+    plain = grpo.grpo_advantages(group, rewards, scale_by_std=False)
+    assert [a[0] for a in plain] == [0.5, -0.5, 0.5, -0.5]
+    advantages = grpo.step_credit_advantages(group, rewards, weight=0.5, scale_by_std=False)
     step = {0: [0.5, 1 / 3, 0.5], 1: [-0.5, -2 / 3, -0.5], 2: [0.5, 1 / 3], 3: [-0.5]}
     for i, (t, a) in enumerate(zip(group.trajectories, advantages)):
         episode_advantage = [0.5, -0.5, 0.5, -0.5][i]
@@ -88,14 +85,19 @@ def test_step_credit_gives_each_turn_its_episode_and_step_advantage():
                                                       for k in range(len(bounds) - 1)
                                                       for _ in range(bounds[k + 1] - bounds[k])]
         assert a == pytest.approx(expected)
-    _, counts = grpo.batch_from_groups([group], rewards, step_credit=0.5)
-    assert (counts["anchor_states"], counts["anchor_trajectories"]) == (2, 5)
-    assert counts["credited_tokens"] == counts["trained_tokens"] == 6    # past the first turn: 2 + 3 + 1 + 0
-    # two identical trajectories end at one leaf: a state they share but take no turn from, no anchor
+
+
+def test_shared_states_count_where_step_credit_compares_turns():
+    """report.shared_states: the states past the prompt two or more trajectories take a turn from,
+    their sizes, and the share of later turns taken from one; two identical trajectories ending at
+    one leaf share a state they take no turn from, which does not count."""
+    listing, describe = ([10, 11], [50]), ([12], [51, 52])
+    group = agentrl.make_group(None, [episode([listing, describe, ([20], [60])]), episode([listing, describe, ([21], [61])]),
+                                      episode([listing, ([23], [62])]), episode([([24, 25, 26], [63])])])
+    assert report.shared_states([group]) == ([3, 2], 5, 5)   # later turns: 2 + 2 + 1 + 0, all from a shared state
     twins = agentrl.make_group(None, [episode([listing, ([20], [60])]), episode([listing, ([20], [60])]),
                                       episode([([24], [63])])])
-    _, counts = grpo.batch_from_groups([twins], [[1.0, 1.0, 0.0]], step_credit=0.5)
-    assert (counts["anchor_states"], counts["anchor_trajectories"]) == (1, 2)
+    assert report.shared_states([twins]) == ([2], 2, 2)
 
 
 def test_step_credit_pushes_the_worse_branch_down_where_the_episode_advantage_cannot():
@@ -119,9 +121,9 @@ def test_step_credit_pushes_the_worse_branch_down_where_the_episode_advantage_ca
             rewards.append(float(rng.random() < (0.9 if branch == "right" else 0.4)))
             branches.append(branch)
         group = agentrl.make_group(None, trajectories)
-        [episode_advantages], _ = grpo.group_advantages([rewards], scale_by_std=False)
-        steps, _ = grpo.step_advantages(group.tree, rewards, scale_by_std=False)
-        for branch, a, s in zip(branches, (episode_advantages or [0.0] * 8)[4:], steps[4:]):
+        episode_advantages = grpo.normalized(rewards, scale_by_std=False)
+        steps = grpo.step_advantages(group.tree, rewards, scale_by_std=False)
+        for branch, a, s in zip(branches, episode_advantages[4:], steps[4:]):
             credit[branch].append((a, s[1]))              # s[1]: the describe turn, from the listed state
     (right_e, right_s), (wrong_e, wrong_s) = ([sum(c) / len(pairs) for c in zip(*pairs)]
                                               for pairs in (credit["right"], credit["wrong"]))
@@ -147,7 +149,7 @@ def hand_example():
     logprobs = old + torch.log(torch.tensor([[1.0, 1.5, 0.9, 1.0], [1.0, 0.5, 1.0, 1.0]]))
     logprobs[:, 3] = -50.0  # padding: huge log-ratio, masked
     mask = torch.tensor([[0.0, 1, 1, 0], [0, 1, 0, 0]])
-    return logprobs, old, torch.tensor([1.0, -1.0]), mask
+    return logprobs, old, torch.tensor([[1.0] * 4, [-1.0] * 4]), mask
 
 
 @pytest.mark.parametrize("aggregation,expected", [
@@ -176,7 +178,7 @@ def test_clipping_at_the_boundaries_depends_on_advantage_sign(ratio, adv, clippe
     """The clip zeroes the gradient only where it makes the objective more pessimistic (PPO)."""
     old = torch.tensor([[0.0, -1.0]], dtype=torch.float64)
     logprobs = (old + torch.tensor([[0.0, math.log(ratio)]], dtype=torch.float64)).requires_grad_(True)
-    loss, stats = grpo.policy_loss(logprobs, old, torch.tensor([adv]), torch.tensor([[0.0, 1.0]]))
+    loss, stats = grpo.policy_loss(logprobs, old, torch.full((1, 2), adv), torch.tensor([[0.0, 1.0]]))
     loss.backward()
     expected_grad = 0.0 if clipped else -adv * ratio  # d(-r A)/d logp = -r A
     assert logprobs.grad[0, 1].item() == pytest.approx(expected_grad, abs=1e-9)
@@ -205,7 +207,7 @@ def test_micro_batch_accumulation_equals_one_big_batch(aggregation):
     model, params = tiny_model()
     perturb_lora(params)
     trajs = trajectories(6)
-    b = forward.collate(trajs, ADVANTAGES, torch.device("cpu"))
+    b = forward.collate(trajs, per_token(trajs, ADVANTAGES), torch.device("cpu"))
     model.train()
     logps = whole_logprobs(model, trajs)
     loss, _ = grpo.policy_loss(logps, b["old_logprobs"], b["advantages"], b["mask"], aggregation=aggregation,
@@ -230,7 +232,7 @@ def test_trajectories_without_signal_are_not_forwarded_unless_kl():
     trajs[1].sampled_logprobs = [0.0] * len(trajs[1].token_ids)
     assert step(model, params, grpo.GRPOConfig(), trajs=trajs)["forwarded_sequences"] == 4
     stats = step(model, params, grpo.GRPOConfig(kl_coef=0.1), trajs=trajs,
-                 reference_context=lora.lora_disabled(model))
+                 reference=lora.lora_disabled(model))
     assert stats["forwarded_sequences"] == 5
 
 
@@ -275,7 +277,7 @@ def test_kl_is_zero_while_the_adapter_is_a_no_op_then_positive():
     optimizer = torch.optim.AdamW(params, lr=1e-2)
     config = grpo.GRPOConfig(kl_coef=0.1)
     first, second = (grpo.grpo_step(model, optimizer, as_batch(trajectories(6), ADVANTAGES), config, NO_SCALER,
-                                    reference_context=lora.lora_disabled(model)) for _ in range(2))
+                                    reference=lora.lora_disabled(model)) for _ in range(2))
     assert first["kl"] == 0.0 and second["kl"] > 0
 
 
@@ -417,8 +419,7 @@ def test_two_processes_with_the_step_counts_equal_one(aggregation, split):
     model, params = tiny_model()
     perturb_lora(params)
     one = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), as_batch(trajs, advantages), config, NO_SCALER)
-    counts = grpo.normalizer_counts(as_batch(trajs, advantages), config)
-    shares = [as_batch(trajs[:split], advantages[:split]), as_batch(trajs[split:], advantages[split:])]
+    shares = [as_batch(trajs[:split], advantages[:split], step=trajs), as_batch(trajs[split:], advantages[split:], step=trajs)]
     models = [tiny_model() for _ in shares]
     for _, lora_params in models:
         perturb_lora(lora_params)
@@ -426,7 +427,7 @@ def test_two_processes_with_the_step_counts_equal_one(aggregation, split):
     def run(rank, all_reduce):
         model, params = models[rank]
         stats = grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), shares[rank], config, NO_SCALER,
-                               counts=counts, sum_processes=functools.partial(parallel.sum_gradients, all_reduce=all_reduce))
+                               sum_processes=functools.partial(parallel.sum_gradients, all_reduce=all_reduce))
         return stats, [p.detach() for p in params]
 
     (stats0, params0), (stats1, params1) = in_threads(shares, run)
@@ -443,15 +444,14 @@ def test_a_non_finite_loss_in_one_process_skips_the_step_in_all():
     trajs = trajectories(6)
     trajs[3].sampled_logprobs[-1] = float("nan")
     config = grpo.GRPOConfig(micro_batch_size=2)
-    counts = grpo.normalizer_counts(as_batch(trajs, ADVANTAGES), config)
     models = [tiny_model() for _ in range(2)]
 
     def run(rank, all_reduce):
         model, params = models[rank]
         before = [p.detach().clone() for p in params]
         part = slice(0, 3) if rank == 0 else slice(3, 6)
-        stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=1e-2), as_batch(trajs[part], ADVANTAGES[part]),
-                               config, NO_SCALER, counts=counts, sum_processes=functools.partial(parallel.sum_gradients, all_reduce=all_reduce))
+        stats = grpo.grpo_step(model, torch.optim.AdamW(params, lr=1e-2), as_batch(trajs[part], ADVANTAGES[part], step=trajs),
+                               config, NO_SCALER, sum_processes=functools.partial(parallel.sum_gradients, all_reduce=all_reduce))
         return stats, all(torch.equal(b, p) for b, p in zip(before, params))
 
     (stats0, same0), (stats1, same1) = in_threads([0, 1], run)

@@ -335,13 +335,29 @@ def test_lora_weights_runs_the_saved_adapter_and_gives_the_live_one_back(tiny_ll
     assert all(torch.equal(a, b) for a, b in zip(live, lora.lora_state(tiny_llama)))
 
 
+def test_lora_weights_entered_twice_keeps_the_reference_in(tiny_llama):
+    """Re-entrant means nested too: a `with reference` inside another runs the reference still (a
+    second swap would put the live weights back in the middle), and leaving the outer one gives the
+    live weights back."""
+    lora.apply_lora(tiny_llama, r=4, alpha=8)
+    _perturb(tiny_llama)
+    start_logits, state = logits(tiny_llama), lora.lora_state(tiny_llama)
+    _perturb(tiny_llama, seed=2)
+    moved_logits, reference = logits(tiny_llama), lora.lora_weights(tiny_llama, state)
+    with reference:
+        with reference:
+            assert torch.equal(logits(tiny_llama), start_logits)
+        assert torch.equal(logits(tiny_llama), start_logits)
+    assert torch.equal(logits(tiny_llama), moved_logits)
+
+
 # ---------------------------------------------------------------- the attention
 @pytest.mark.parametrize("kind", ["llama", "qwen2"])
 def test_packed_attention_equals_transformers_sdpa_with_holes_and_a_cache(kind, tiny_model_factory):
     """lora.sdpa_packed (grouped-query heads packed for several query tokens) against transformers'
     own SDPA (keys and values repeated per query head): the same logits and the same LoRA gradients
     on a padded batch, and the same logits for a 3-token forward after a cached prefix with holes."""
-    from agentrl import KVCache
+    from kvcache import KVCache
     packed, plain = tiny_model_factory(kind), tiny_model_factory(kind)
     plain.set_attn_implementation("sdpa")
     assert packed.config._attn_implementation == lora.ATTENTION and packed.config.num_key_value_heads < packed.config.num_attention_heads

@@ -9,6 +9,7 @@ right, so correctness alone would give no gradient), its scorer passed in as tra
 and a collective timeout of 60 s, and records, for the test to check, each
 step's groups and rewards, the loss configuration and the final LoRA weights.
 """
+import json
 import os
 import pickle
 import socket
@@ -136,7 +137,8 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
     assert all(r["trainable_groups"] == 3 and r["sequences"] == 9 for r in steps), steps
     evals = [r for r in records if "eval_accuracy" in r]
     assert [r["step"] for r in evals] == [0, 1, 2] and all(r["eval_tasks"] == 3 for r in evals), "3 tasks: 1 + 2"
-    assert len(open(out / "trajectories" / "step_0002.jsonl").read().splitlines()) == 9
+    logged = [json.loads(line) for line in open(out / "trajectories" / "step_0002.jsonl")]
+    assert len(logged) == 9
 
     record = {rank: pickle.load(open(tmp_path / "record" / f"resumed_rank{rank}.pkl", "rb")) for rank in range(2)}
     for a, b in zip(record[0]["lora"], record[1]["lora"], strict=True):
@@ -154,12 +156,17 @@ def test_two_processes_train_resume_and_equal_one_process(tiny_model_dir, splits
     optimizer.load_state_dict(torch.load(out / "checkpoints" / "step_0001" / "trainer_state.pt",
                                          weights_only=False)["optimizer"])
     config = pickle.load(open(tmp_path / "record" / "config.pkl", "rb"))   # the one train.py passed
-    batch, _ = grpo.batch_from_groups(groups0 + groups1, rewards0 + rewards1)
+    batch, _ = grpo.make_batch(groups0 + groups1, rewards0 + rewards1)
+    # trajectories/ logs every process's trajectories with the advantages they were trained on, a turn each
+    trained = [[a[start] for start, _ in t.turns] for g, advantages in zip(batch.groups, batch.advantages)
+               for t, a in zip(g.trajectories, advantages)]
+    assert all(trained) and [len(t["advantage"]) for t in logged] == [len(a) for a in trained]
+    assert [a for t in logged for a in t["advantage"]] == pytest.approx([a for turns in trained for a in turns])
     stats = grpo.grpo_step(model, optimizer, batch, config, torch.amp.GradScaler("cpu", enabled=False))
     assert not stats["skipped"] and stats["loss"] == pytest.approx(steps[1]["loss"], abs=1e-6)
     for ours, theirs in zip(lora.lora_parameters(model), record[0]["lora"], strict=True):
         # the same update up to rounding: each process forwards the prompt its own groups share once
-        # (forward.SharedPrefix) and then their runs of shared tokens (group segments), so its sums split
+        # and then their runs of shared tokens (each group's tree), so its sums split
         # elsewhere and run in another order (6e-8 apart with neither), and AdamW magnifies rounding
         # where a gradient is near 0: measured 1.1e-4 in one element of 1,024; the move is > 1e-3
         torch.testing.assert_close(ours.detach(), theirs, rtol=0, atol=2e-4)
@@ -193,8 +200,8 @@ def test_one_process_is_left_alone():
     """Without torchrun nothing joins, shards are everything, and share_state leaves the model."""
     assert parallel.start() is None and parallel.world_size() == 1 and parallel.is_main()
     assert parallel.shard([1, 2]) == [1, 2] and parallel.gather("x") == ["x"]
-    assert parallel.sum_counts({"num_sequences": 2, "num_tokens": 5, "max_tokens": 3}) == {
-        "num_sequences": 2, "num_tokens": 5, "max_tokens": 3}
+    step = object()
+    assert parallel.gather_step(step) is step
     assert parallel.DIST_TIMEOUT_S == 1800
 
 

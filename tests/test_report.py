@@ -117,16 +117,17 @@ def test_the_run_writes_a_well_formed_page_with_every_trajectory(tiny_run):
 
 
 def test_each_trajectory_shows_the_advantage_the_update_used(tiny_run):
-    """The trajectories file records each trajectory's advantage, equal to GRPO's group advantage of
-    the rewards beside it, and the page shows it next to the reward, correctness and judge score."""
+    """The trajectories file records each trajectory's advantage, a turn each, equal to GRPO's group
+    advantage of the rewards beside it, and the page shows it (once, every turn's being the same)
+    next to the reward, correctness and judge score."""
     page = parse(tiny_run / "report.html")
     by_id = {n.attrs["id"]: n.text() for n in page.root.find_all(has_class("trajectory"))}
     for step, rs in trajectory_records(tiny_run).items():
         for g in sorted({r["group"] for r in rs}):
             group = [r for r in rs if r["group"] == g]
-            [advantages], _ = grpo.group_advantages([[r["reward"] for r in group]])
+            advantages = grpo.normalized([r["reward"] for r in group])
             for k, (r, a) in enumerate(zip(group, advantages), 1):
-                assert r["advantage"] == pytest.approx(a)
+                assert r["advantage"] == pytest.approx([a] * len(r["advantage"])) and r["advantage"]   # a turn each
                 shown = by_id[f"s{step:04d}-g{g + 1}-t{k}"]
                 assert f"reward {r['reward']:.3f}" in shown and f"advantage {a:.3f}" in shown
                 assert f"judge {r['judge_score']:.2f}" in shown and ("correct" if r["correct"] else "wrong") in shown

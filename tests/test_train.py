@@ -6,6 +6,7 @@ that differ within each group, which is all GRPO needs to produce a gradient.
 import json
 import os
 import re
+import statistics
 import subprocess
 import sys
 from dataclasses import fields
@@ -16,7 +17,9 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+import agentrl
 import bench.learn
+import engine
 import evaluate
 import judge
 import judge_backends
@@ -87,7 +90,7 @@ def test_two_steps_change_the_lora_weights(tiny_model_dir, tmp_path, scripted_ju
 def test_rows_cut_on_non_finite_logits_stay_out_of_the_update(tiny_model_dir, tmp_path, scripted_judge, monkeypatch):
     """A row the rollout ended on non-finite logits (fp16 overflow) is left out of its group's
     advantages and of the update, and counted; a group left with one row is not trained on."""
-    real_rollout, batches = train.agentrl.rollout_groups, []
+    real_rollout, batches = train.engine.rollout_groups, []
 
     def rollout_with_overflows(model, tokenizer, tasks, n, *args, **kw):
         groups = real_rollout(model, tokenizer, tasks, n, *args, **kw)
@@ -98,12 +101,11 @@ def test_rows_cut_on_non_finite_logits_stay_out_of_the_update(tiny_model_dir, tm
         return groups
 
     def recording_step(model, optimizer, batch, *args, **kw):
-        batches.append([t.stop_reason for g, advantages in batch for t, a in zip(g.trajectories, advantages)
-                        if a is not None])
+        batches.append([g.trajectories[i].stop_reason for g, i in batch.trained()])
         return real_step(model, optimizer, batch, *args, **kw)
 
     real_step = train.grpo.grpo_step
-    monkeypatch.setattr(train.agentrl, "rollout_groups", rollout_with_overflows)
+    monkeypatch.setattr(train.engine, "rollout_groups", rollout_with_overflows)
     monkeypatch.setattr(train.grpo, "grpo_step", recording_step)
     out = tmp_path / "run"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1"))
@@ -116,7 +118,7 @@ def test_branching_grows_every_candidate_before_the_mixed_groups_are_chosen(tiny
                                                                            scripted_judge, monkeypatch):
     """--branching: each candidate is rolled out half whole, then branched up to --group-size, and
     only then are the groups to train on chosen, on all their rows, as without branching."""
-    real_branch, real_mixed, seen = train.agentrl.branch_groups, train.mixed_first, {}
+    real_branch, real_mixed, seen = train.engine.branch_groups, train.mixed_first, {}
 
     def branch(model, tokenizer, groups, n, *args, **kw):
         seen["branched"] = [(len(g.trajectories), n) for g in groups]
@@ -126,7 +128,7 @@ def test_branching_grows_every_candidate_before_the_mixed_groups_are_chosen(tiny
         seen["chosen from"] = [len(g.trajectories) for g in groups]
         return real_mixed(groups, k)
 
-    monkeypatch.setattr(train.agentrl, "branch_groups", branch)
+    monkeypatch.setattr(train.engine, "branch_groups", branch)
     monkeypatch.setattr(train, "mixed_first", mixed)
     train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--group-size", "4",
                          "--branching", "uniform"))
@@ -315,6 +317,34 @@ def test_a_judge_on_another_scale_shows_in_the_log_and_metrics(tiny_model_dir, t
     assert sorted(line["judge_score"] for line in lines[:3]) == pytest.approx([1 / 3, 2 / 3, 1])
 
 
+def rloo(group, rewards):
+    """RLOO's estimator (Ahmadian et al. 2024, arXiv:2402.14740), as a fork would write it: each
+    trajectory's baseline is the mean reward of the others in its group, on every token."""
+    kept = [r for r in rewards if r is not None]
+    return [None if r is None else [r - (sum(kept) - r) / (len(kept) - 1)] * len(t.token_ids)
+            for t, r in zip(group.trajectories, rewards)]
+
+
+def test_an_advantage_estimator_plugs_in_where_a_fork_would_put_it(tiny_model_dir, tmp_path, scripted_judge):
+    """train.main(argv, estimator=f): the step trains on f's advantages, one float a token; RLOO's,
+    written in this file, gives r_i - mean of the others = n / (n - 1) (r_i - mean), not GRPO's
+    (r_i - mean) / std. The update runs and moves the adapter, and trajectories/ logs RLOO's values."""
+    out = tmp_path / "run"
+    train.main(tiny_args(tiny_model_dir, out, "--steps", "1"), estimator=rloo)
+    (step,) = [r for r in read_jsonl(out / "metrics.jsonl") if "reward_mean" in r]
+    assert not step["skipped"] and step["trainable_groups"] == 2 and step["forwarded_sequences"] > 0
+    logged = [json.loads(line) for line in open(out / "trajectories" / "step_0001.jsonl")]
+    for g in (0, 1):
+        rewards = [t["reward"] for t in logged if t["group"] == g]
+        mean, n = sum(rewards) / len(rewards), len(rewards)
+        for t, r in zip([t for t in logged if t["group"] == g], rewards):
+            assert t["advantage"] and t["advantage"] == pytest.approx([n / (n - 1) * (r - mean)] * len(t["advantage"]))
+        best = max(logged, key=lambda t: (t["group"] == g, t["reward"]))
+        assert best["advantage"][0] != pytest.approx((best["reward"] - mean) / statistics.stdev(rewards))  # not GRPO's
+    lora_b = [v for k, v in adapter_tensors(out / "final").items() if "lora_B" in k]
+    assert any(v.abs().max() > 0 for v in lora_b), "B starts at zero and must have moved"
+
+
 def test_the_reward_function_is_a_parameter(tiny_model_dir, tmp_path):
     """train.main(argv, score=f): the step's rewards are f's (how a benchmark scripts them), given the
     groups, the judge backend, the rubric, the bonus and the judge cache."""
@@ -421,8 +451,7 @@ def test_selection_finds_mixed_groups_where_a_plain_draw_rarely_does():
 def test_grpo_and_the_rft_control_run_and_log(tiny_model_dir, tmp_path, scripted_judge, monkeypatch, extra):
     """GRPO takes one optimizer step per batch; --update rft one supervised step on the correct
     rollouts (here every even rollout is made correct); each logs it."""
-    import agentrl
-    real = agentrl.rollout_groups
+    real = engine.rollout_groups
 
     def some_correct(*args, **kwargs):
         groups = real(*args, **kwargs)
@@ -430,7 +459,7 @@ def test_grpo_and_the_rft_control_run_and_log(tiny_model_dir, tmp_path, scripted
             for i, t in enumerate(g.trajectories):
                 t.correct = i % 2 == 0
         return groups
-    monkeypatch.setattr(agentrl, "rollout_groups", some_correct)
+    monkeypatch.setattr(engine, "rollout_groups", some_correct)
     out = tmp_path / "run"
     train.main(tiny_args(tiny_model_dir, out, "--steps", "1", *extra))
     step = next(json.loads(line) for line in open(out / "metrics.jsonl") if "reward_mean" in line)
@@ -540,15 +569,15 @@ def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_
 
 
 def test_eval_dtype_reaches_the_evaluations_only(tiny_model_dir, tmp_path, monkeypatch):
-    """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (agentrl.Sampling),
+    """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (engine.Sampling),
     GRPO's rollouts do not (the fp32 policy: weight_dtype None). --eval-dtype fp32 keeps fp32."""
     import agentrl
-    seen, rollout_groups = [], agentrl.rollout_groups
+    seen, rollout_groups = [], engine.rollout_groups
 
     def recording(model, tokenizer, tasks, n, sampling, *args, **kwargs):
         seen.append((sampling.greedy, sampling.weight_dtype))
         return rollout_groups(model, tokenizer, tasks, n, sampling, *args, **kwargs)
-    monkeypatch.setattr(agentrl, "rollout_groups", recording)
+    monkeypatch.setattr(engine, "rollout_groups", recording)
     train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-dtype", "bf16"))
     assert {dtype for greedy, dtype in seen if greedy} == {torch.bfloat16}
     assert {dtype for greedy, dtype in seen if not greedy} == {None}
@@ -559,9 +588,9 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
     """--eval-split names either held-out split (or both); the first one's metrics are the eval_*
     keys, and the printout has one line per split. Both splits draw the same question positions."""
     args = train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only", "--eval-split", "test_schema"))
-    record = train.run(args)
+    record = train.launch(args)
     assert record["eval_split"] == "test_schema" and record["eval_tasks"] == 2 and "test_accuracy" not in record
-    both = train.run(train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only", "--eval-split", "test,test_schema")))
+    both = train.launch(train.parse_args(tiny_args(tiny_model_dir, tmp_path / "r", "--eval-only", "--eval-split", "test,test_schema")))
     assert both["eval_split"] == "test" and both["test_schema_tasks"] == 2
     assert evaluate.split_metrics(both, "test_schema")["eval_accuracy"] == both["test_schema_accuracy"]
     out = capsys.readouterr().out
@@ -576,21 +605,38 @@ def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
 
 def test_the_step_line_shows_the_signal_the_reward_and_the_update():
     """One line a step: mixed groups of those rolled out, the kept groups' reward (mean and spread)
-    beside their accuracy, every candidate's accuracy apart, the anchor states and the share of tokens
-    they credit, the clipped share of tokens, whether the update ran (and why not), the judge's
+    beside their accuracy, every candidate's accuracy apart, the states several trajectories share
+    and the share of later turns taken from them (what step credit would compare, whether it is on
+    or not), the clipped share of tokens, whether the update ran (and why not), the judge's
     agreement where it has one."""
     record = {"step": 3, "mixed_candidates": 3, "candidate_groups": 4, "trainable_groups": 2, "reward_mean": 0.4375,
               "reward_std": 0.496, "kept_accuracy": 0.4375, "train_accuracy": 0.34375, "skipped": False,
               "clip_frac_low": 0.004,
               "clip_frac_high": 0.008, "judge_agreement": 0.75, "judge_agreement_groups": 2, "time_step": 61.2,
               "judge_failed_groups": 0, "judge_rescaled_groups": 0, "judge_corrections": 0,
-              "anchor_states": 3, "anchor_size": 2.5, "step_credit_share": 0.6}
+              "shared_states": 3, "shared_state_size": 2.5, "shared_turn_share": 0.6}
     assert report.step_line(record, 4) == ("step 3/4 | mixed groups 3/4, 2 trained on | kept groups: reward 0.44 ± "
-                                          "0.50, accuracy 0.44 | every candidate: accuracy 0.34 | anchor states 3 (2.5 "
-                                          "trajectories each), step credit on 60% of later turns' tokens | clipped 1.2% of "
+                                          "0.50, accuracy 0.44 | every candidate: accuracy 0.34 | shared states 3 (2.5 "
+                                          "trajectories each, 60% of later turns) | clipped 1.2% of "
                                           "tokens | update applied | judge agreement 0.75 (2 groups) | 61 s")
     skipped = {**record, "skipped": True, "skip_reason": "no trainable group", "judge_agreement": None}
     assert "| update skipped (no trainable group) | 61 s" in report.step_line(skipped, 4)
+
+
+def test_the_mixed_group_rate_counts_mixed_groups_not_trainable_ones():
+    """mixed_group_rate: the kept groups with right and wrong rollouts, over the kept groups. A judge
+    can make an all-right group trainable (its scores differ), which is not a mixed group."""
+    def group(task_id, corrects):
+        return agentrl.make_group(SimpleNamespace(id=task_id, difficulty="easy"), [agentrl.Trajectory(
+            task_id, [], [1, 2], [0, 1], [0.0, -1.0], "SELECT 1", bool(c), "submitted", 1, 1, 0) for c in corrects])
+    mixed, all_right = group("a", [1, 0, 1]), group("b", [1, 1, 1])
+    unscored = judge.JudgeResult(scores=None, explanations=[], scored=False, attempts=0, error="none")
+    step = train.Step(1, [(mixed.task, 2 / 3), (all_right.task, 1.0)], [mixed, all_right], [[1, 0, 1], [1, 0.5, 0]],
+                      [unscored] * 2, 0, [[None] * 3] * 2, {"trainable_groups": 2, "no_signal_groups": 0,
+                                                            "too_small_groups": 0, "non_finite_trajectories": 0},
+                      {"skipped": False}, {"time_step": 1.0})
+    record = report.step_record(step)
+    assert record["trainable_groups"] == 2 and record["mixed_group_rate"] == 0.5
 
 
 def test_judge_agreement_per_step_and_the_warning_when_it_is_a_coin():
