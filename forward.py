@@ -115,9 +115,9 @@ def collate(trajectories, advantages, device):
     """Right-pad trajectories into a batch: mask (B, T) 1.0 on trained tokens; old_logprobs (B, T)
     the rollout's; advantages (B, T) from one list of floats per trajectory (None: no advantages)."""
     T = max(len(t.token_ids) for t in trajectories)
-    for t in trajectories:
-        assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs), \
-            "trajectory fields differ in length"
+    for t, a in zip(trajectories, advantages or [t.token_ids for t in trajectories]):
+        assert len(t.token_ids) == len(t.assistant_mask) == len(t.sampled_logprobs) == len(a), \
+            "a trajectory's fields and advantages (one a token) differ in length"
         assert t.assistant_mask[0] == 0, "the first token is never predicted, so it cannot be trained"
 
     def pad(rows):

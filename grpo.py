@@ -20,13 +20,13 @@ and its backward adds into the gradient; the gradient norm is clipped and the op
 non-finite loss or gradient skips the step. Beside it, the control GRPO is measured against:
 rft_step, a supervised step on the batch's correct rollouts (rejection-sampling fine-tuning).
 
-The policy trained is the one sampled: the rollout records each token's log-prob at the sampling
-temperature, log softmax(logits / T), and the update divides the logits by the same T
-(GRPOConfig.temperature), as TRL and verl do. Trained at temperature 1 instead, the ratio would
-compare two different policies, and its clip would bound the wrong one (RESULTS.md, "The policy
-sampled is the policy trained", has the paired arms).
-
 Simplifications, and why they are safe:
+- The policy trained is the policy sampled, pi_T = softmax(logits / T) at the rollouts' temperature
+  T: the rollout records log pi_T of each token and the update divides the logits by the same T
+  (GRPOConfig.temperature), as TRL and verl do. The model at temperature 1 is then never trained
+  directly, and need not be: every rollout samples from pi_T, and greedy evaluation is the same
+  argmax at any T. Recording log pi_1 instead would make the ratio compare a policy nobody sampled
+  (RESULTS.md, "The policy sampled is the policy trained": the two, paired, from one start).
 - The PPO "old" policy is the rollout policy itself (its `sampled_logprobs`): no extra forward.
   With one optimizer step per batch the ratio is 1 up to the numerical gap between the
   KV-cached sampler and this forward, and the clip has little to do (clip_frac_*, kl_old say
@@ -162,10 +162,6 @@ class Batch:
     num_sequences: int           # the WHOLE step's trained trajectories (all processes: parallel.grpo_step)
     num_tokens: int              # and their trained tokens (policy_loss's normalizers divide by these)
     max_tokens: int              # Dr. GRPO's constant: the generation budget, or the step's longest
-
-    def trained(self):
-        """(group, index) of every trajectory with advantages, in order."""
-        return [(g, i) for g, advs in zip(self.groups, self.advantages) for i, a in enumerate(advs) if a]
 
 
 def make_batch(groups, rewards, estimator=grpo_advantages, max_tokens=None):
@@ -303,7 +299,8 @@ def grpo_step(model, optimizer, batch, config, scaler, reference=None, sum_proce
     sums the gradients and the numbers over the processes, so that all decide alike."""
     assert config.kl_coef == 0 or reference is not None, "kl_coef > 0 needs a reference"
     device = next(model.parameters()).device
-    trained = [group.trajectories[i] for group, i in batch.trained()]
+    trained = [t for group, advantages in zip(batch.groups, batch.advantages)
+               for t, a in zip(group.trajectories, advantages) if a]
     stats = {"loss": 0.0, "kl": None, "grad_norm": 0.0, "skipped": False, "skip_reason": "",
              "sequences": len(trained), "tokens": sum(sum(t.assistant_mask) for t in trained),
              "forwarded_sequences": 0, "forwarded_tokens": 0, "entropy": sampled_entropy(trained)}
@@ -343,7 +340,8 @@ def grpo_step(model, optimizer, batch, config, scaler, reference=None, sum_proce
                     sums = {k: sums[k] + s[k] * s["tokens"] for k in sums}
                 if stats["skipped"]:
                     break
-        stats.update({k: v / max(1, stats["forwarded_tokens"]) for k, v in sums.items()})
+        stats.update({k: v / stats["forwarded_tokens"] if stats["forwarded_tokens"] else None
+                      for k, v in sums.items()})    # None where nothing was forwarded
         # (under data parallelism the others wait for this one's gradients, even after a skip)
         skipped, forwarded = (sum_processes or (lambda _, numbers: numbers))(
             optimizer, [stats["skipped"], stats["forwarded_sequences"]])

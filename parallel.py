@@ -178,8 +178,8 @@ def merge_update_stats(per_process):
     for key in ("loss", "sequences", "tokens", "forwarded_sequences", "forwarded_tokens"):
         if key in merged:
             merged[key] = sum(s[key] for s in per_process)
-    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl"):
-        if merged.get(key) is not None:
+    for key in ("clip_frac_low", "clip_frac_high", "ratio_mean", "kl_old", "kl"):
+        if any(s.get(key) is not None for s in per_process):    # None where a process forwarded nothing
             merged[key] = token_mean(key, "forwarded_tokens")
     if "entropy" in merged:
         merged["entropy"] = token_mean("entropy", "tokens")

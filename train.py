@@ -512,7 +512,7 @@ class Step:
     """What one step did: what the log reads (report.step_record) and parallel.gather_step joins."""
     number: int
     pass_rates: list        # every rolled-out group's (task, pass rate), kept or not (the sampler reads them)
-    groups: list            # the groups kept for the update (engine.TrajectoryGroup)
+    groups: list            # the groups kept for the update (agentrl.TrajectoryGroup)
     rewards: list           # one list of floats per kept group
     results: list           # the judge's JudgeResult per kept group
     judge_failed: int       # kept groups the judge could not score (their rewards: the bonus alone)
@@ -547,7 +547,7 @@ def train_step(config, run, step, task_stats) -> Step:
     rolled = rollout(config, run, tasks, seed)
     groups = mixed_first(rolled, len(parallel.shard(range(config.groups_per_step))))
     t_rollout = time.time() - t0
-    # 3) reward = judge score + bonus * correct (score_groups, or the `score` run was given)
+    # 3) reward = judge score + bonus * correct (score_groups, or the scorer launch was given)
     rewards, results, judge_failed = run.score(groups, run.judge, run.rubric, config.bonus)
     t_judge = time.time() - t0 - t_rollout
     # 4) advantages, one a token, from the run's estimator (GRPO's, or step credit's)

@@ -20,6 +20,7 @@ import torch.nn.functional as F
 
 import agentrl
 import engine
+import forward
 import lora
 from bench.common import scripted_policy
 
@@ -153,6 +154,31 @@ def fed_tokens():
 
 
 # ----------------------------------------------------------------------------- rollouts
+
+def test_rollouts_record_and_the_update_reads_the_policy_sampled(tiny_llama, smol_tokenizer):
+    """At temperature T the engine samples from softmax(logits / T) and records log of that (the
+    tokens it sampled: the full forward's logits over T, < 1e-4), and the update's forward at the same
+    T reads the same log-probs back (every trained token), so its ratio starts at 1 (grpo.py)."""
+    groups = rollout(tiny_llama, smol_tokenizer, sampling=engine.Sampling(seed=0, temperature=0.5))
+    checked = 0
+    for traj, turns in zip([t for g in groups for t in g.trajectories], SCRIPT):
+        sampled = engine_sampled(traj, turns, smol_tokenizer)[1:]
+        if not sampled.any():          # a row scripted to its end: nothing the engine sampled
+            continue
+        ids = torch.tensor([traj.token_ids])
+        with torch.no_grad():
+            logits = tiny_llama(input_ids=ids).logits[0, :-1].float()
+        at = {T: torch.log_softmax(logits / T, -1).gather(1, ids[0, 1:, None])[:, 0][sampled] for T in (0.5, 1.0)}
+        recorded = torch.tensor(traj.sampled_logprobs[1:])[sampled]
+        assert (recorded - at[0.5]).abs().max() < 1e-4 < (recorded - at[1.0]).abs().max()   # T = 1's differ
+        checked += 1
+    assert checked >= 3             # rows that sampled tokens of their own (the others are scripted to the end)
+    for g in groups:
+        with torch.no_grad():
+            read = forward.tree_logprobs(tiny_llama, g.tree, g.trajectories, list(range(4)), temperature=0.5)
+        batch = forward.collate(g.trajectories, None, torch.device("cpu"))
+        assert ((read - batch["old_logprobs"]) * batch["mask"]).abs().max() < 1e-4
+
 
 @pytest.mark.parametrize("kind,tok", PAIRS)
 def test_rollout_logprobs_equal_full_forward(kind, tok, scripted):

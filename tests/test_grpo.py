@@ -236,6 +236,17 @@ def test_trajectories_without_signal_are_not_forwarded_unless_kl():
     assert stats["forwarded_sequences"] == 5
 
 
+def test_an_advantage_a_trajectory_instead_of_a_token_is_a_clear_error():
+    """A fork's estimator that gives one float a trajectory, not one a token, stops the update with
+    a message that says so, before any forward, not with a shape error inside torch."""
+    model, params = tiny_model()
+    trajs = trajectories(2)
+    masks = [sum(t.assistant_mask) for t in trajs]
+    batch = grpo.Batch([agentrl.make_group(None, trajs)], [[[1.0], [-1.0]]], 2, sum(masks), max(masks))
+    with pytest.raises(AssertionError, match="one a token"):
+        grpo.grpo_step(model, torch.optim.SGD(params, lr=0.1), batch, grpo.GRPOConfig(), NO_SCALER)
+
+
 def test_one_step_changes_lora_params_and_only_them():
     """AdamW on the LoRA parameters moves them; the frozen base model stays bit-identical."""
     model, params = tiny_model()

@@ -219,6 +219,19 @@ def test_merged_stats_by_hand():
     assert merged["grad_norm"] == 3.0 and merged["kl"] is None and not merged["skipped"]
 
 
+def test_merged_stats_when_rank_0_forwarded_nothing():
+    """A process that forwarded nothing reports None for its token means (grpo.grpo_step); the merge
+    takes the others' (kl_old too), not rank 0's None."""
+    a = {"loss": 0.0, "sequences": 1, "tokens": 5, "forwarded_sequences": 0, "forwarded_tokens": 0,
+         "clip_frac_low": None, "clip_frac_high": None, "ratio_mean": None, "kl_old": None, "kl": None,
+         "entropy": 1.0, "grad_norm": 2.0, "skipped": False, "skip_reason": ""}
+    b = dict(a, forwarded_sequences=2, forwarded_tokens=8, clip_frac_low=0.25, clip_frac_high=0.0, ratio_mean=1.0,
+             kl_old=1e-3)
+    merged = parallel.merge_update_stats([a, b])
+    assert (merged["clip_frac_low"], merged["ratio_mean"], merged["kl_old"]) == (0.25, 1.0, pytest.approx(1e-3))
+    assert merged["kl"] is None
+
+
 # ----------------------------------------------------------------------------- forked (--eval-processes)
 def test_forked_runs_each_share_in_a_child_of_one_thread_in_order():
     results = parallel.forked(lambda share: (share, os.getpid(), torch.get_num_threads()), list(range(7)), 3)

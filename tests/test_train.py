@@ -21,6 +21,7 @@ import agentrl
 import bench.learn
 import engine
 import evaluate
+import grpo
 import judge
 import judge_backends
 import report
@@ -101,7 +102,8 @@ def test_rows_cut_on_non_finite_logits_stay_out_of_the_update(tiny_model_dir, tm
         return groups
 
     def recording_step(model, optimizer, batch, *args, **kw):
-        batches.append([g.trajectories[i].stop_reason for g, i in batch.trained()])
+        batches.append([t.stop_reason for g, advantages in zip(batch.groups, batch.advantages)
+                        for t, a in zip(g.trajectories, advantages) if a])
         return real_step(model, optimizer, batch, *args, **kw)
 
     real_step = train.grpo.grpo_step
@@ -188,6 +190,15 @@ def test_help_lists_at_most_40_short_flags(capsys):
     assert len(flags) <= 40 and len(flags) == len(fields(train.Config)), sorted(flags)
     assert [f.name for f in fields(train.Config) if len(f.metadata["help"]) >= 100] == []
     assert all(f"--{f.name.replace('_', '-')}" in flags for f in fields(train.Config))
+
+
+def test_the_loss_choices_are_the_aggregations_grpo_has(capsys):
+    """--loss offers exactly grpo.AGGREGATIONS (one list, in grpo.py): each parses, nothing else does."""
+    assert [train.parse_args(["--loss", name]).loss for name in grpo.AGGREGATIONS] == list(grpo.AGGREGATIONS)
+    with pytest.raises(SystemExit):
+        train.parse_args(["--loss", "sum"])
+    err = capsys.readouterr().err
+    assert "invalid choice" in err and all(name in err.split("choose from")[1] for name in grpo.AGGREGATIONS)
 
 
 def test_gpu_defaults_differ_only_where_declared(monkeypatch):
