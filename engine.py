@@ -48,8 +48,8 @@ class Sampling:
     temperature: float = 1.0
     greedy: bool = False       # argmax decoding, for evaluation
     seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
-    weight_dtype: torch.dtype | None = None   # the merged layers' and the lm_head's weights while generating
-                               #   (None: fp32 merged, the head as it is); the log-probs are that policy's
+    weight_dtype: torch.dtype | None = None   # fp32 weights (merged, lm_head) cast to it: its log-probs
+    cache_dtype: torch.dtype | None = None    # the KV cache's, attended in it (None: the keys' own)
 
 
 @dataclass
@@ -87,14 +87,14 @@ def rollout_groups(model, tokenizer, tasks, n, sampling=Sampling(), limits=Limit
         #    one-row cache every row starts from; each row's own rest of the prompt waits to be fed
         rows = rows or _start_rows(tasks, n, tokenizer, limits, make_env or SQLEnv)
         prompts = [row.token_ids for row in rows]
-        prefix = KVCache(model.config)
+        prefix = KVCache(model.config, dtype=sampling.cache_dtype)
         prefix_len = common_prefix_length(prompts, limit=min(map(len, prompts)) - 1)
         forward(torch.tensor([prompts[0][:prefix_len]], device=device),
                 torch.ones((1, prefix_len), dtype=torch.long, device=device), prefix)
         for row in rows:
             row.pending = row.token_ids[prefix_len:]     # the first feed: at least one token of its own
 
-        cache = KVCache(model.config, capacity=max(map(len, prompts)) + limits.max_new_tokens)
+        cache = KVCache(model.config, max(map(len, prompts)) + limits.max_new_tokens, sampling.cache_dtype)
         mask = torch.zeros((0, 0), dtype=torch.long, device=device)       # (B, S): 1 real token, 0 hole
         waiting = list(range(len(rows)))[::-1]   # rows not started yet, the next one last
         active, logits = [], None                # active[b] = index into rows of cache row b; logits (B, V)

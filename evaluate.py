@@ -17,8 +17,8 @@ Contract:
 - Under torchrun each process evaluates a contiguous share of the tasks and every process gets
   the whole record (parallel.shard, parallel.gather); only rank 0 writes episode files.
 - On a CPU, `processes` > 1 forks that many one-thread processes, each with a share of the tasks
-  (parallel.forked), and `weight_dtype` sets the weights' precision while decoding; a GPU runs
-  in one process at the model's own precision.
+  (parallel.forked), and `weight_dtype` sets the weights' and the KV cache's precision while
+  decoding; a GPU runs in one process at the model's own precision.
 """
 import json
 import math
@@ -36,7 +36,7 @@ import parallel
 import sql_env
 from files import write_text_atomic
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --decode-dtype
 
 
 def load_eval_sets(data, splits, size):
@@ -72,7 +72,7 @@ def episode_record(task, t):
 
 
 def on_cpu_only(weight_dtype, device):
-    """The weights' precision while generating (--eval-dtype; Sampling.weight_dtype) applies on a
+    """The weights' precision while generating (--decode-dtype; Sampling.weight_dtype) applies on a
     CPU; a GPU runs the model in half precision already (lora.precision_for): None."""
     return weight_dtype if device.type == "cpu" else None
 
@@ -84,9 +84,13 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, processes=
     the KV cache is rows x context, so `max_rows` bounds the memory. path: a .jsonl file to write
     every episode to (episode_record). processes: on a CPU, that many forked
     processes of one thread each, each with a contiguous share of the tasks and its own `max_rows`
-    (parallel.forked). weight_dtype: Sampling.weight_dtype, on a CPU only."""
+    (parallel.forked). weight_dtype: the weights' and the KV cache's precision while decoding
+    (Sampling.weight_dtype and cache_dtype), on a CPU only."""
     mine = parallel.shard(tasks)                      # this process's share of the tasks (all of them in one)
-    greedy = engine.Sampling(greedy=True, weight_dtype=on_cpu_only(weight_dtype, model.device))
+    # weights and KV cache in weight_dtype: a bf16 cache halves an evaluation's largest buffer, and
+    # greedy decoding records no log-prob that a forward would have to match
+    dtype = on_cpu_only(weight_dtype, model.device)
+    greedy = engine.Sampling(greedy=True, weight_dtype=dtype, cache_dtype=dtype)
 
     def episodes(share):
         return [g.trajectories[0] for g in engine.rollout_groups(model, tokenizer, share, 1, greedy, limits,

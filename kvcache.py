@@ -41,21 +41,21 @@ class KVLayer(CacheLayerMixin):
     is_sliding = False
     is_compileable = False       # True would make transformers build a mask at every decode step
 
-    def __init__(self, capacity: int = 0):
+    def __init__(self, capacity: int = 0, dtype=None):
         super().__init__()
         self.rows = 0                    # valid rows (the batch) in the buffers
         self.length = 0                  # valid columns (tokens) in the buffers
-        self.min_capacity = capacity     # a hint: preallocate this many columns on first use
+        self.min_capacity, self.store_dtype = capacity, dtype   # columns (a hint); None: the keys' dtype
 
     def lazy_initialization(self, key_states, value_states):
-        self.device, self.dtype = key_states.device, key_states.dtype
+        self.device, self.dtype = key_states.device, self.store_dtype or key_states.dtype
         self.rows, capacity = key_states.shape[0], max(self.min_capacity, key_states.shape[-2], 16)
         self.keys, self.values = (self._empty(key_states, self.rows, capacity),
                                   self._empty(value_states, self.rows, capacity))
         self.is_initialized = True
 
     def _empty(self, like, rows, capacity):
-        return torch.empty((rows, like.shape[1], capacity, like.shape[-1]), dtype=like.dtype,
+        return torch.empty((rows, like.shape[1], capacity, like.shape[-1]), dtype=self.dtype,
                            device=like.device)
 
     def _reserve(self, rows, columns):
@@ -129,12 +129,12 @@ class KVLayer(CacheLayerMixin):
 class KVCache(Cache):
     """A preallocated KV cache of KVLayers, one a decoder layer, passed to the model's forward."""
 
-    def __init__(self, config, capacity: int = 0):
+    def __init__(self, config, capacity: int = 0, dtype=None):
         config = config.get_text_config(decoder=True)
         kinds = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
         assert all(k == "full_attention" for k in kinds), \
             f"KVCache holds full-attention layers only, not {sorted(set(kinds))}"
-        super().__init__(layers=[KVLayer(capacity) for _ in range(config.num_hidden_layers)])
+        super().__init__(layers=[KVLayer(capacity, dtype) for _ in range(config.num_hidden_layers)])
 
     def update(self, key_states, value_states, layer_idx, *args, **kwargs):
         return self.layers[layer_idx].update(key_states, value_states)
@@ -184,11 +184,11 @@ def right_aligned(chunks, pad_id, device):
 class CachedForward:
     """One forward of the decoder body over new tokens and the cache, then the lm_head on each row's
     last column only: full-vocabulary logits are never made for a whole prompt or tool result.
-    dtype: the head in that precision (a copy; None: the model's own)."""
+    dtype: an fp32 head's precision (a copy; None, or a head in half precision already: as it is)."""
 
     def __init__(self, model, dtype=None):
         self.body, self.head = model.base_model, model.get_output_embeddings()
-        if dtype is not None and self.head.weight.dtype != dtype:
+        if dtype is not None and self.head.weight.dtype == torch.float32 != dtype:
             self.head = copy.deepcopy(self.head).to(dtype)
         self.cache_arg = lora.cache_keyword(self.body)
 

@@ -30,18 +30,22 @@ What is synchronized, and what is not:
 
 One more helper, apart from torchrun: `forked` runs a function on shares of a list in processes
 forked from this one, one thread each (train.py --eval-processes: on a CPU, evaluations use every
-core better that way; its docstring says why).
+core better that way; its docstring says why). What this process and its forked ones hold together
+is their summed PSS (`tree_pss_kib`, `PeakMemory`): a page they share counted once.
 
 Simplification: the supervised warm start (--sft-steps) is not split: every process runs the
 same one, and share_state then hands rank 0's result to all.
 """
 import contextlib
+import ctypes
 import dataclasses
 import datetime
 import io
 import multiprocessing
 import os
 import sys
+import threading
+import time
 import traceback
 
 import torch
@@ -225,6 +229,7 @@ def forked(function, items, processes):
     for memory) is an error that says so; if the parent is interrupted, its children are stopped."""
     context = multiprocessing.get_context("fork")
     processes = max(1, min(processes, len(items)))
+    release_freed_memory()    # what this process freed goes back to the system, not into every child's count
     children, results, failure = [], [], None
     try:
         for i in range(processes):
@@ -263,6 +268,59 @@ def _run_forked(function, share, send):
         send.send((False, traceback.format_exc()))
     finally:
         send.close()
+
+
+def release_freed_memory():
+    """Hand the heap memory this process freed back to the system (glibc's malloc_trim; elsewhere
+    nothing). glibc keeps freed blocks for reuse: after a training step that is most of a GiB this
+    process holds, and counts, while its forked evaluators run."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):    # not glibc
+        pass
+
+
+def tree_pss_kib(root_pid=None) -> int:
+    """The summed PSS (proportional set size: a page shared by k processes counts 1/k in each) of
+    `root_pid` (default: this process) and every process below it, in KiB; 0 without Linux's /proc."""
+    children = {}
+    for pid in filter(str.isdigit, os.listdir("/proc") if os.path.isdir("/proc") else []):
+        try:
+            with open(f"/proc/{pid}/stat") as f:
+                parent = int(f.read().rsplit(")", 1)[1].split()[1])
+        except (OSError, IndexError, ValueError):
+            continue
+        children.setdefault(parent, []).append(int(pid))
+    total, todo = 0, [root_pid or os.getpid()]
+    while todo:
+        pid = todo.pop()
+        todo += children.get(pid, [])
+        try:
+            with open(f"/proc/{pid}/smaps_rollup") as f:
+                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
+        except (OSError, StopIteration):
+            continue
+    return total
+
+
+class PeakMemory(threading.Thread):
+    """The largest summed PSS of this process and its children (the forked evaluators, the SQL
+    worker) seen since `start()`, sampled every `every` seconds by a daemon thread: `peak_gib`.
+    A sample costs the kernel a walk of every page table (~0.1 s for a few GiB): a run's peaks
+    last minutes (an evaluation's end, an update), so a few seconds apart costs little and misses little."""
+
+    def __init__(self, every=5.0):
+        super().__init__(daemon=True)
+        self.every, self.peak_kib = every, 0
+
+    def run(self):
+        while True:
+            self.peak_kib = max(self.peak_kib, tree_pss_kib())
+            time.sleep(self.every)
+
+    @property
+    def peak_gib(self) -> float:
+        return self.peak_kib / 2**20
 
 
 def share_state(model, optimizer, scaler, extra=None):

@@ -7,7 +7,7 @@
 forked evaluators hold memory together, and they share pages (the weights), so their resident
 sets overcount. This runs `python train.py` in `--cwd` (default: here) with the flags it does not
 know, samples the summed proportional set size (PSS, /proc/PID/smaps_rollup: a shared page
-counted once, split between its holders) of the run's whole process tree every half second, and
+counted once, split between its holders) of the run's whole process tree every 2 seconds, and
 reads the phase times from the run's metrics.jsonl: the SFT steps, the GRPO steps (rollout and
 the rest), and each evaluation after the first (the time from the record before it to its own;
 the first also holds the model's loading). Linux only.
@@ -20,28 +20,7 @@ import sys
 import time
 
 from bench.common import mean_or_nan, run_records
-
-
-def tree_pss_kib(root_pid) -> int:
-    """The summed PSS of `root_pid` and every process below it, in KiB (0 once it is gone)."""
-    children = {}
-    for pid in filter(str.isdigit, os.listdir("/proc")):
-        try:
-            with open(f"/proc/{pid}/stat") as f:
-                parent = int(f.read().rsplit(")", 1)[1].split()[1])
-        except (OSError, IndexError, ValueError):
-            continue
-        children.setdefault(parent, []).append(int(pid))
-    total, todo = 0, [root_pid]
-    while todo:
-        pid = todo.pop()
-        todo += children.get(pid, [])
-        try:
-            with open(f"/proc/{pid}/smaps_rollup") as f:
-                total += next(int(line.split()[1]) for line in f if line.startswith("Pss:"))
-        except (OSError, StopIteration):
-            continue
-    return total
+from parallel import tree_pss_kib
 
 
 def footprint(cwd, train_flags) -> dict:
@@ -60,7 +39,7 @@ def footprint(cwd, train_flags) -> dict:
         lines = sum(1 for _ in open(metrics)) if os.path.exists(metrics) else 0
         samples.append((time.perf_counter() - t0, pss, lines))
         peak = max(peak, pss)
-        time.sleep(0.5)
+        time.sleep(2.0)
     if child.returncode:
         raise SystemExit(f"footprint: train.py failed in {cwd} (exit {child.returncode})")
     records = run_records(out)

@@ -68,3 +68,26 @@ def test_kv_cache_rows_join_drop_and_pack_equal_a_plain_forward(tiny_llama):
                     row.append(int(new[b]))
             check(logits, rows, fed[:, 0])
     assert cache.layers[0].keys.shape[-2] >= mask.shape[1] > 8, "the cache grew past its first capacity"
+
+
+def test_a_bf16_cache_holds_half_the_bytes_and_rounds_logits_only_slightly(tiny_llama):
+    """KVCache(dtype=torch.bfloat16), an evaluation's (engine.Sampling.cache_dtype): its buffers are
+    bf16, half the bytes of the fp32 cache's, and attention reads them in bf16 (lora.sdpa_packed).
+    Two rows fed a prompt in one forward (with a hole), then decoded token by token: every step's
+    logits move from the fp32 cache's by bf16's rounding of keys, values and queries (8 bits of
+    mantissa: about 1% of the logits' scale here), not more, and not by nothing."""
+    torch.manual_seed(0)
+    forward = kvcache.CachedForward(tiny_llama)
+    caches = {dtype: kvcache.KVCache(tiny_llama.config, dtype=dtype) for dtype in (None, torch.bfloat16)}
+    ids, mask = torch.tensor([[5, 9, 300, 41], [0, 12, 6, 6]]), torch.tensor([[1, 1, 1, 1], [0, 1, 1, 1]])
+    gaps = []
+    with torch.no_grad():
+        for step in range(6):
+            logits = {dtype: forward(ids, mask, cache) for dtype, cache in caches.items()}
+            gaps.append(((logits[torch.bfloat16] - logits[None]).abs().max() / logits[None].abs().max()).item())
+            ids = logits[None].argmax(-1, keepdim=True)
+            mask = torch.cat([mask, torch.ones(2, 1, dtype=torch.long)], 1)
+    fp32, bf16 = caches[None].layers[0], caches[torch.bfloat16].layers[0]
+    assert fp32.keys.dtype == torch.float32 and bf16.keys.dtype == bf16.values.dtype == torch.bfloat16
+    assert bf16.keys.element_size() * 2 == fp32.keys.element_size() and bf16.keys.shape == fp32.keys.shape
+    assert 0 < max(gaps) < 0.03, gaps

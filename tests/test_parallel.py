@@ -249,3 +249,38 @@ def test_forked_raises_what_a_child_raised_and_says_when_one_died():
         parallel.forked(fails_on_four, list(range(6)), 2)
     with pytest.raises(RuntimeError, match="died without a result"):
         parallel.forked(lambda share: os._exit(3), [1, 2], 2)
+
+
+@pytest.mark.skipif(not os.path.isdir("/proc"), reason="summed PSS is read from Linux's /proc")
+def test_peak_memory_sums_this_process_and_its_forked_ones():
+    """parallel.PeakMemory samples the summed PSS of this process and its children: two forked
+    processes that each write 128 MiB of their own raise the peak by about 256 MiB (their copies of
+    this process's pages, shared, count once)."""
+    memory = parallel.PeakMemory(every=0.05)
+    memory.start()
+    time.sleep(0.3)
+    before = memory.peak_gib
+
+    def hold_128_mib(share):
+        block = torch.ones(32 * 2**20)          # 128 MiB, every page written
+        time.sleep(1.0)
+        return float(block[-1])
+    assert parallel.forked(hold_128_mib, [1, 2], 2) == [1.0, 1.0]
+    added = memory.peak_gib - before
+    assert 0.2 < added < 0.4, (before, memory.peak_gib)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc_trim")
+def test_release_freed_memory_hands_a_fragmented_heap_back():
+    """Blocks below glibc's mmap threshold live on the heap; freed between blocks still in use, they
+    stay resident until malloc_trim hands their pages back (parallel.release_freed_memory)."""
+    def resident_mib():
+        with open("/proc/self/status") as f:
+            return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+    blocks = [bytearray(b"x" * 100_000) for _ in range(3000)]      # ~290 MB, 100 kB each: heap, not mmap
+    kept = blocks[::50]                                             # 60 still used, spread over the heap
+    del blocks
+    freed = resident_mib()
+    parallel.release_freed_memory()
+    assert freed - resident_mib() > 150, (freed, resident_mib())
+    assert all(len(b) == 100_000 for b in kept)
