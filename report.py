@@ -585,8 +585,10 @@ def write_trajectories(run_dir, step, trained=True):
     write_text_atomic(os.path.join(run_dir, "trajectories", f"step_{step.number:04d}.jsonl"), "".join(lines))
 
 
-def print_summary(config, metrics_path, final_dir, processes):
-    """The end-of-run summary: held-out accuracy by phase, the last evaluation, updates, where things are."""
+def print_summary(config, metrics_path, final_dir, seconds, peak_gib):
+    """The end-of-run summary: held-out accuracy by phase, the last evaluation, updates, where the
+    process's `seconds` went (each phase's minutes, from metrics.jsonl), its peak summed memory
+    (`peak_gib`, parallel.PeakMemory; 0: unknown), where things are."""
     records = read_jsonl(metrics_path)
     evals = [r for r in records if "eval_accuracy" in r]
     print("\n" + "=" * 72)
@@ -609,12 +611,20 @@ def print_summary(config, metrics_path, final_dir, processes):
         print(f"signal:     {sum(r['trainable_groups'] for r in steps)}/"
               f"{sum(r['submitted_groups'] for r in steps)} kept groups trained on, sampled tokens' entropy "
               f"{sum(entropies) / max(1, len(entropies)):.3f} nats, temperature {config.temperature:.2f}")
-    unit = 1 if sys.platform == "darwin" else 1024      # ru_maxrss: bytes on macOS, KiB on Linux
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * unit
-    children = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss * unit if processes > 1 else 0
-    forked = (f"; the largest of the {processes} evaluation processes forked at once "
-              f"{children / 2**30:.1f} GiB, the pages it shares with this one included" if children else "")
-    print(f"memory:     {peak / 2**30:.1f} GiB peak resident (this process, since it started){forked}")
+    sft = [r["time_step"] for r in records if "sft_step" in r]
+    rl = [r["time_step"] for r in steps]
+    timed_evals = [r["time_eval"] for r in evals if "time_eval" in r]
+    phases = sum(sft) + sum(rl) + sum(timed_evals)
+    # each phase's minutes over the whole run (a resumed run's earlier processes included)
+    rest = "" if config.resume else f", the rest (loading, checkpoints) {max(0.0, seconds - phases) / 60:.1f}"
+    print(f"time:       {seconds / 60:.1f} min: warm start {sum(sft) / 60:.1f} ({len(sft)} steps), evaluations "
+          f"{sum(timed_evals) / 60:.1f} ({len(timed_evals)}), RL {sum(rl) / 60:.1f} ({len(rl)} steps){rest}")
+    if peak_gib:
+        print(f"memory:     {peak_gib:.2f} GiB peak, this process and the ones it forked together "
+              f"(summed PSS: a page they share counted once)")
+    else:   # no /proc: this process alone (ru_maxrss: bytes on macOS, KiB on Linux)
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * (1 if sys.platform == "darwin" else 1024)
+        print(f"memory:     {peak / 2**30:.2f} GiB peak resident (this process alone)")
     print(f"adapter:    {final_dir}  (PEFT layout)")
     print(f"metrics:    {metrics_path}   plot: {os.path.join(config.out, 'progress.png')}   "
           f"report: {os.path.join(config.out, 'report.html')}")

@@ -88,6 +88,8 @@ class Config:
     max_new_tokens: int = knob(128, "sampled tokens per turn")
     max_context: int = knob(2048, "tokens per trajectory, prompt included")
     temperature: float = knob(0.5, "sampling temperature of the rollouts")
+    decode_dtype: Literal["fp32", "bf16"] = knob("bf16", "on a CPU, the weights' precision while generating "
+                                                         "(rollouts and evaluations)")
     branching: Literal["none", "uniform", "entropy"] = knob(
         "none", "half a group sampled whole, half branched off its states after a tool result")
     judge: str = knob("auto", "auto (a server in $OPENAI_*, else GPU: local, CPU: none), local, none, "
@@ -116,7 +118,6 @@ class Config:
     eval_size: int = knob(0, "held-out tasks per evaluation, the same whatever --seed (0: all)")
     eval_processes: int = knob(0, "on a CPU, evaluate in this many forked one-thread processes "
                                   "(0: one per core)")
-    eval_dtype: Literal["fp32", "bf16"] = knob("bf16", "on a CPU, the weights' precision in evaluations")
     eval_only: bool = knob(False, "evaluate --model/--adapter on --eval-split, "
                                   "write the record to --out, exit")
     out: str = knob("runs/default", "run folder")
@@ -339,7 +340,7 @@ def score_groups(groups, judge_backend, rubric, bonus):
 # ----------------------------------------------------------------------------- the run
 def eval_options(config) -> dict:
     """evaluate's keyword arguments from the config: processes, the weights' precision."""
-    return dict(processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.eval_dtype])
+    return dict(processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.decode_dtype])
 
 
 def eval_processes(config) -> int:
@@ -450,8 +451,10 @@ def setup(config, device) -> Run:
 
 def evaluation(config, run, label, **logged):
     """Every held-out split; with `step` (and `phase`), logged to metrics.jsonl."""
+    t0 = time.time()
     record = evaluate_splits(run.model, run.tokenizer, run.eval_sets, run.limits, config.out, label,
                              **eval_options(config))
+    record["time_eval"] = time.time() - t0
     if logged:
         report.append_jsonl(os.path.join(config.out, "metrics.jsonl"), {**logged, **record})
     return record
@@ -525,7 +528,8 @@ class Step:
 def rollout(config, run, tasks, seed):
     """A group of --group-size trajectories a task at --temperature, seeded by the step and the process;
     --branching: half of each sampled whole, the rest branched off its states. max_rows: the kept groups'."""
-    sampling = engine.Sampling(config.temperature, seed=seed * parallel.world_size() + parallel.rank())
+    sampling = engine.Sampling(config.temperature, seed=seed * parallel.world_size() + parallel.rank(),
+                               weight_dtype=WEIGHT_DTYPES[config.decode_dtype])   # fp32 weights only: a CPU's
     max_rows, n = config.groups_per_step * config.group_size, config.group_size
     whole = n if config.branching == "none" else n // 2
     groups = engine.rollout_groups(run.model, run.tokenizer, tasks, whole, sampling, run.limits,
@@ -561,6 +565,8 @@ def train_step(config, run, step, task_stats) -> Step:
 
 def run_process(config, device, score, estimator):
     """run's work in this process: setup, start or resume, the loop, the end."""
+    started, memory = time.time(), parallel.PeakMemory()   # for the summary: where the time and memory went
+    memory.start()
     run = setup(config, device)
     if config.eval_only:
         return eval_only(config, run)
@@ -611,7 +617,7 @@ def run_process(config, device, score, estimator):
     lora.save_adapter(run.model, final_dir)
     report.write_plot(config.out, read_jsonl(metrics_path))
     report.write_report(config.out)
-    return report.print_summary(config, metrics_path, final_dir, eval_processes(config))
+    return report.print_summary(config, metrics_path, final_dir, time.time() - started, memory.peak_gib)
 
 
 @torchrun_reports_errors   # under torchrun: a process's exception is named in the job's failure summary

@@ -90,6 +90,11 @@ def test_pair_compares_the_last_evaluation_of_a_run_with_an_eval_only_folder(spl
     assert f"by template ({templates} templates)" in out
     assert f"p={2 / 64:.3f}" in out and "test_schema" not in out
     assert "(20 tasks)" in out and "(10 tasks)" in out      # failed-submission rates are each of their own tasks
+    learn.bench_pair(SimpleNamespace(paths=[f"{run}@0", str(run)]))      # RUN@STEP: where RL started, then the end
+    out = capsys.readouterr().out
+    assert "test: 0.000 -> 0.200 on 20 tasks: +20.0 points" in out and "test_schema: 0.000 -> 1.000" in out
+    with pytest.raises(SystemExit, match="at step 7"):
+        learn.evaluation_record(f"{run}@7")
 
 
 def test_pair_of_several_runs_averages_them_task_by_task(splits, tmp_path, capsys):
@@ -271,11 +276,11 @@ def test_scale_bench_times_one_process_and_two(tiny_model_dir, tmp_path, monkeyp
     (python -m bench train-run: scripted rewards passed to train.main, in each torchrun process
     too), every step updated from the groups the scripted rewards train (--trained-groups 1: the
     first of each process's groups), each row with its times and the update's distance from the
-    sampler (none when both compute in fp32), then the ratio line against the first."""
+    sampler (none when both compute in fp32: --decode-dtype fp32), then the ratio line against the first."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["bench", "scale", "--variants", "1-process,torchrun-2",
                                      "--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "8",
-                                     "--trained-groups", "1"])
+                                     "--trained-groups", "1", "--decode-dtype", "fp32"])
     main()
     out = capsys.readouterr().out
     rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +([\d.e+-]+) +([\d.]+) +\d+$",
@@ -320,7 +325,7 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert [(c["seed"], c["update"]) for c in (configs["grpo"], configs["grpo_seed1"], configs["rft"])] == [(0, "grpo"), (1, "grpo"), (0, "rft")]
     assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
     assert configs["control"]["adapter"] == start and configs["control"]["steps"] == 0
-    assert all(c["eval_processes"] == 2 and c["eval_dtype"] == "bf16" for c in configs.values())   # forked, bf16
+    assert all(c["eval_processes"] == 2 and c["decode_dtype"] == "bf16" for c in configs.values())   # forked, bf16
 
     def seconds(arm, key):
         return [r["time_step"] for r in read_jsonl(os.path.join(folder, arm, "metrics.jsonl")) if key in r]

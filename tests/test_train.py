@@ -570,29 +570,43 @@ def test_only_the_newest_checkpoints_stay(tiny_model_dir, tmp_path):
     assert sorted(os.listdir(out / "checkpoints")) == ["latest", "step_0000", "step_0001"]
 
 
-def test_a_run_with_forked_evaluations_reports_their_memory(tiny_model_dir, tmp_path, capsys, forks):
-    """--eval-processes 2: the run evaluates in forked processes (both evaluations, before and after)
-    and its summary says how much the largest of them held, beside this process's peak."""
-    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-processes", "2"))
+def test_a_run_with_forked_evaluations_reports_its_time_and_memory(tiny_model_dir, tmp_path, capsys, forks):
+    """--eval-processes 2: the run evaluates in forked processes (both evaluations, before and after);
+    its summary gives each phase's minutes, read from the records, and the peak summed memory."""
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "2", "--judge", "none", "--eval-processes", "2"))
     assert forks == [2] * 2             # at the start and at the end
-    memory = next(line for line in capsys.readouterr().out.splitlines() if line.startswith("memory:"))
-    assert "the largest of the 2 evaluation processes forked at once" in memory, memory
+    out = capsys.readouterr().out.splitlines()
+    records = read_jsonl(tmp_path / "run" / "metrics.jsonl")
+    assert [r["step"] for r in records if "time_eval" in r] == [0, 2]
+    minutes = {name: sum(r[key] for r in records if key in r and marker in r) / 60 for name, key, marker in
+               [("evaluations", "time_eval", "time_eval"), ("RL", "time_step", "reward_mean")]}
+    time_line = next(line for line in out if line.startswith("time:"))
+    assert (f"warm start 0.0 (0 steps), evaluations {minutes['evaluations']:.1f} (2), "
+            f"RL {minutes['RL']:.1f} (2 steps)") in time_line, time_line
+    memory = next(line for line in out if line.startswith("memory:"))
+    peak = float(memory.split()[1])
+    if os.path.isdir("/proc"):
+        assert "this process and the ones it forked together" in memory and 0.1 < peak < 8, memory
 
 
-def test_eval_dtype_reaches_the_evaluations_only(tiny_model_dir, tmp_path, monkeypatch):
-    """--eval-dtype bf16: every held-out evaluation decodes greedily with bf16 weights (engine.Sampling),
-    GRPO's rollouts do not (the fp32 policy: weight_dtype None). --eval-dtype fp32 keeps fp32."""
-    import agentrl
+def test_decode_dtype_reaches_rollouts_and_evaluations(tiny_model_dir, tmp_path, monkeypatch):
+    """--decode-dtype bf16 (the CPU default): GRPO's rollouts sample with bf16 weights (their log-probs
+    that policy's), every held-out evaluation decodes greedily with bf16 weights and KV cache
+    (engine.Sampling); --decode-dtype fp32 keeps both in fp32."""
     seen, rollout_groups = [], engine.rollout_groups
 
     def recording(model, tokenizer, tasks, n, sampling, *args, **kwargs):
-        seen.append((sampling.greedy, sampling.weight_dtype))
+        seen.append((sampling.greedy, sampling.weight_dtype, sampling.cache_dtype))
         return rollout_groups(model, tokenizer, tasks, n, sampling, *args, **kwargs)
     monkeypatch.setattr(engine, "rollout_groups", recording)
-    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none", "--eval-dtype", "bf16"))
-    assert {dtype for greedy, dtype in seen if greedy} == {torch.bfloat16}
-    assert {dtype for greedy, dtype in seen if not greedy} == {None}
-    assert train.eval_options(train.parse_args(["--eval-dtype", "fp32"]))["weight_dtype"] == torch.float32
+    assert train.parse_args([]).decode_dtype == "bf16"
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run", "--steps", "1", "--judge", "none"))
+    assert {(dtype, cache) for greedy, dtype, cache in seen if greedy} == {(torch.bfloat16, torch.bfloat16)}
+    assert {(dtype, cache) for greedy, dtype, cache in seen if not greedy} == {(torch.bfloat16, None)}
+    seen.clear()
+    train.main(tiny_args(tiny_model_dir, tmp_path / "run2", "--steps", "1", "--judge", "none", "--decode-dtype", "fp32"))
+    assert {(dtype, cache) for greedy, dtype, cache in seen if greedy} == {(torch.float32, torch.float32)}
+    assert {(dtype, cache) for greedy, dtype, cache in seen if not greedy} == {(torch.float32, None)}
 
 
 def test_eval_only_on_either_split(tiny_model_dir, tmp_path, capsys):
