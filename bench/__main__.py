@@ -18,6 +18,7 @@
     python -m bench footprint [--baseline DIR]   # whole train.py runs: phase times, summed PSS of every process
     python -m bench accelerations --adapter DIR  # one default GRPO step with each acceleration taken out in turn
     python -m bench sql            # the SQL tool's worker process against the same queries in-process
+    python -m bench trl [--adapter DIR]   # one GRPO step: ours vs TRL's GRPOTrainer (pip install trl peft)
 
 `--variants a,b` (update, eval, scale, credit) runs a subset, the first the baseline. learn, sweep, scale and
 allocator pass any flag they do not know to train.py, for every run (e.g. `--lr 5e-4`). Each
@@ -47,17 +48,19 @@ COMMANDS = {   # name: (module of bench/, function, one line of help)
     "accelerations": ("accelerations", "bench_accelerations",
                       "one default GRPO step with each acceleration taken out in turn: its gain"),
     "sql": ("sql", "bench_sql", "the SQL tool's worker process against the same queries in-process"),
+    "trl": ("trl", "bench_trl", "one GRPO step, the same agent and tasks: ours against TRL's GRPOTrainer"),
     "train-run": ("update", "train_run", None),   # internal: a train.py run with scripted rewards (scale, allocator)
 }
 TRAIN_FLAGS = {"learn", "credit", "sweep", "scale", "allocator", "train-run", "footprint"}   # these pass unknown flags on to train.py
 PUBLIC = " ".join(name for name, (_, _, line) in COMMANDS.items() if line)
 
 OPTIONS = [   # (flag, the commands that take it, argparse keywords)
-    ("paths", "pair", dict(nargs="*", help="evaluations, before and then after (run or --eval-only folders)")),
+    ("paths", "pair", dict(nargs="*", help="evaluations, before and then after (run or --eval-only folders; "
+                                       "RUN@STEP: a run's evaluation at that step)")),
     ("--shape", "memory", dict(choices=["smollm2-135m", "qwen2.5-3b"], default="smollm2-135m",
                                help="the embedded model, or the Qwen2.5-3B shape, random weights (the T4 fit)")),
     ("--model", "accelerations", dict(default=None, help="HF id or folder (default: the embedded model)")),
-    ("--adapter", "rollout judge judge-server eval scale accelerations",
+    ("--adapter", "rollout judge judge-server eval scale accelerations trl",
      dict(default=None, help="the embedded model with this saved adapter (or run folder)")),
     ("--split", "eval", dict(default="test", help="the held-out split to evaluate")),
     ("--tasks", "eval", dict(type=int, default=0, help="the split's first N tasks (0: all)")),
@@ -65,7 +68,7 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
     ("--baseline", "footprint", dict(default=None, help="a checkout run first, the same flags: the baseline")),
     ("--tokenizer", "gpu memory", dict(default=None, help="3B shape: a tokenizer folder (default: the embedded one)")),
     ("--eval-size", "learn credit sweep", dict(type=int, default=0, help="held-out (sweep: val) tasks per split (0: all)")),
-    ("--sft-steps", "learn credit sweep", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),
+    ("--sft-steps", "learn credit sweep trl", dict(type=int, default=48, help="warm-start steps of the start (sweep: each rank's)")),
     ("--grpo-steps", "learn credit sweep", dict(type=int, default=8, help="GRPO and RFT steps (sweep: of each run)")),
     ("--arm-splits", "credit", dict(default="test,test_schema", help="the held-out splits the arms evaluate on")),
     ("--grpo-seeds", "learn credit", dict(type=int, default=2, help="GRPO runs, seeds --seed, --seed + 1, ...: their mean")),
@@ -78,7 +81,7 @@ OPTIONS = [   # (flag, the commands that take it, argparse keywords)
      dict(type=int, default=0, help="groups of a step (each process's) the scripted rewards train (0: all)")),
     ("--seed", PUBLIC, dict(type=int, default=0, help="random seed")),
     ("--by-def", "reading", dict(action="store_true", help="every definition reached, with its lines")),
-    ("--child", "memory update eval", dict(default=None, help=argparse.SUPPRESS)),   # a fresh process: this variant only
+    ("--child", "memory update eval trl", dict(default=None, help=argparse.SUPPRESS)),   # a fresh process: this variant only
 ]
 
 
