@@ -36,7 +36,7 @@ import parallel
 import sql_env
 from files import write_text_atomic
 
-WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --decode-dtype
+WEIGHT_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16}   # --eval-dtype
 
 
 def load_eval_sets(data, splits, size):
@@ -72,7 +72,7 @@ def episode_record(task, t):
 
 
 def on_cpu_only(weight_dtype, device):
-    """The weights' precision while generating (--decode-dtype; Sampling.weight_dtype) applies on a
+    """The weights' precision while generating (--eval-dtype; Sampling.weight_dtype) applies on a
     CPU; a GPU runs the model in half precision already (lora.precision_for): None."""
     return weight_dtype if device.type == "cpu" else None
 

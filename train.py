@@ -88,8 +88,6 @@ class Config:
     max_new_tokens: int = knob(128, "sampled tokens per turn")
     max_context: int = knob(2048, "tokens per trajectory, prompt included")
     temperature: float = knob(0.5, "sampling temperature of the rollouts")
-    decode_dtype: Literal["fp32", "bf16"] = knob("bf16", "on a CPU, the weights' precision while generating "
-                                                         "(rollouts and evaluations)")
     branching: Literal["none", "uniform", "entropy"] = knob(
         "none", "half a group sampled whole, half branched off its states after a tool result")
     judge: str = knob("auto", "auto (a server in $OPENAI_*, else GPU: local, CPU: none), local, none, "
@@ -118,6 +116,8 @@ class Config:
     eval_size: int = knob(0, "held-out tasks per evaluation, the same whatever --seed (0: all)")
     eval_processes: int = knob(0, "on a CPU, evaluate in this many forked one-thread processes "
                                   "(0: one per core)")
+    eval_dtype: Literal["fp32", "bf16"] = knob("bf16", "on a CPU, the weights' and KV cache's precision "
+                                                       "in evaluations")
     eval_only: bool = knob(False, "evaluate --model/--adapter on --eval-split, "
                                   "write the record to --out, exit")
     out: str = knob("runs/default", "run folder")
@@ -340,7 +340,7 @@ def score_groups(groups, judge_backend, rubric, bonus):
 # ----------------------------------------------------------------------------- the run
 def eval_options(config) -> dict:
     """evaluate's keyword arguments from the config: processes, the weights' precision."""
-    return dict(processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.decode_dtype])
+    return dict(processes=eval_processes(config), weight_dtype=WEIGHT_DTYPES[config.eval_dtype])
 
 
 def eval_processes(config) -> int:
@@ -528,8 +528,7 @@ class Step:
 def rollout(config, run, tasks, seed):
     """A group of --group-size trajectories a task at --temperature, seeded by the step and the process;
     --branching: half of each sampled whole, the rest branched off its states. max_rows: the kept groups'."""
-    sampling = engine.Sampling(config.temperature, seed=seed * parallel.world_size() + parallel.rank(),
-                               weight_dtype=WEIGHT_DTYPES[config.decode_dtype])   # fp32 weights only: a CPU's
+    sampling = engine.Sampling(config.temperature, seed=seed * parallel.world_size() + parallel.rank())
     max_rows, n = config.groups_per_step * config.group_size, config.group_size
     whole = n if config.branching == "none" else n // 2
     groups = engine.rollout_groups(run.model, run.tokenizer, tasks, whole, sampling, run.limits,

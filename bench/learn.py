@@ -178,7 +178,7 @@ def bench_learn(args):
         SFT control    more SFT from the start, as many steps as the GRPO arm's wall time buys
 
     Every arm is evaluated on the whole of both held-out splits (--eval-size 0), in two forked
-    processes with the weights in bf16 (train.py --eval-processes 2 --decode-dtype bf16: the
+    processes with the weights in bf16 (train.py --eval-processes 2 --eval-dtype bf16: the
     evaluations are most of the benchmark's time): per-task outcomes,
     paired between arms, give each difference with a 95% interval (paired bootstrap) and McNemar's
     p. The GRPO arm runs --grpo-seeds times (default 2; seeds --seed, --seed + 1, ...): each run
@@ -200,10 +200,10 @@ def bench_learn(args):
         raise SystemExit("python -m bench learn compares RL with SFT: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
     t0 = time.perf_counter()
     out = os.path.join("runs", "bench_learn")
-    # evaluations in two forked processes, bf16 weights (train.py --eval-processes, --decode-dtype; a flag of the
+    # evaluations in two forked processes, bf16 weights (train.py --eval-processes, --eval-dtype; a flag of the
     # user's comes later and wins): the whole-split evaluations are most of the benchmark's time (BENCHMARKS.md, eval)
     common = ["--eval-split", "test,test_schema", "--eval-size", str(args.eval_size), "--judge", "none",
-              "--eval-processes", "2", "--decode-dtype", "bf16", *args.train_flags]   # both splits, unless a flag says
+              "--eval-processes", "2", "--eval-dtype", "bf16", *args.train_flags]   # both splits, unless a flag says
 
     def records(arm):
         return run_records(os.path.join(out, arm))
@@ -336,7 +336,7 @@ def bench_credit(args):
     if args.sft_steps < 1 or args.grpo_steps < 1 or args.grpo_seeds < 1:
         raise SystemExit("python -m bench credit: --sft-steps, --grpo-steps and --grpo-seeds must be >= 1")
     out = os.path.join("runs", "bench_learn")
-    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--eval-processes", "2", "--decode-dtype", "bf16",
+    common = ["--eval-size", str(args.eval_size), "--judge", "none", "--eval-processes", "2", "--eval-dtype", "bf16",
               *args.train_flags]
     train_unless_finished(["--eval-split", "test,test_schema", *common, "--sft-steps", str(args.sft_steps),
                            "--steps", "0", "--seed", str(args.seed), "--out", os.path.join(out, "sft")])

@@ -269,7 +269,7 @@ def bench_kv_dtype(config, B, g, repeats=5):
 # train.py runs; "sdpa" is transformers' own, which repeats keys and values for every query head;
 # processes: forked, one thread each, each with a contiguous share of the tasks and its own 16
 # rows, as train.py --eval-processes runs them; the weights' precision, Sampling.weight_dtype:
-# None is fp32, bfloat16 is train.py --decode-dtype bf16)
+# None is fp32, bfloat16 is train.py --eval-dtype bf16)
 EVAL_VARIANTS = {"batches-32": ("batches", 32, None, 1, None), "continuous-32": ("continuous", 32, None, 1, None),
                  "continuous-16": ("continuous", 16, None, 1, None),
                  "continuous-16-repeat-kv": ("continuous", 16, "sdpa", 1, None),
@@ -285,7 +285,7 @@ def bench_eval(args):
     (continuous batching), with 32 and with 16 rows at a time; with 16, with transformers' attention
     in place of ours (it copies keys and values per query head), and in two processes of one thread
     each (train.py --eval-processes 2); 16 rows in one process and in two again with the merged
-    layers and the lm_head in bf16 (train.py --decode-dtype bf16). "same outcome" counts the tasks each variant gets
+    layers and the lm_head in bf16 (train.py --eval-dtype bf16). "same outcome" counts the tasks each variant gets
     right or wrong as the first does, "same episode" those where it wrote every token the same: a
     near-tie of logits decided the other way (bf16 rounding) changes the second, and maybe the first.
     Each variant in a fresh process (eval_variant), with glibc's malloc as train.py runs it. Then

@@ -14,8 +14,8 @@ model load included) is its own, on the same 2 train tasks (train.sample_tasks, 
 each, with train.py's CPU defaults: max_turns 4, max_new_tokens 128 a turn, max_context 2048,
 temperature 0.5 (the update's logits divided by it too), lr 1e-4 (AdamW, no weight decay, gradient norm
 clipped at 1), clip 0.2 / 0.28, no KL, DAPO's token-level loss, advantages normalised by the group's std,
-8 trajectories a forward, gradient checkpointing on, fp32 on a CPU (sampling too: --decode-dtype fp32,
-as TRL's generate()), the same attention kernel (both load
+8 trajectories a forward, gradient checkpointing on, fp32 on a CPU (sampling too), the same attention
+kernel (both load
 through lora.load_model); TRL's completion budget is max_context less the longer prompt. The reward is
 the correctness bonus alone, 1 for an execution-correct submission, 0 else (ours: --judge none,
 --bonus 1; TRL: the environment's get_reward). Ours is
@@ -115,10 +115,8 @@ def bench_trl(args):
 
 
 def bench_config(seed, **changes) -> train.Config:
-    """train.py's CPU defaults with the judge off (correctness alone, bonus 1): both sides' settings;
-    ours samples with fp32 weights, as TRL's generate() does (train.py's CPU default is bf16)."""
+    """train.py's CPU defaults with the judge off (correctness alone, bonus 1): both sides' settings."""
     return train.Config(**{"judge": "none", "bonus": 1.0, "sft_steps": 0, "eval_size": 1, "seed": seed,
-                           "decode_dtype": "fp32",
                            "out": os.path.join(OUT, "ours"), **changes})
 
 

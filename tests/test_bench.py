@@ -276,11 +276,11 @@ def test_scale_bench_times_one_process_and_two(tiny_model_dir, tmp_path, monkeyp
     (python -m bench train-run: scripted rewards passed to train.main, in each torchrun process
     too), every step updated from the groups the scripted rewards train (--trained-groups 1: the
     first of each process's groups), each row with its times and the update's distance from the
-    sampler (none when both compute in fp32: --decode-dtype fp32), then the ratio line against the first."""
+    sampler (none when both compute in fp32), then the ratio line against the first."""
     monkeypatch.chdir(tmp_path)
     monkeypatch.setattr("sys.argv", ["bench", "scale", "--variants", "1-process,torchrun-2",
                                      "--model", tiny_model_dir, "--steps", "2", "--max-new-tokens", "8",
-                                     "--trained-groups", "1", "--decode-dtype", "fp32"])
+                                     "--trained-groups", "1"])
     main()
     out = capsys.readouterr().out
     rows = re.findall(r"^ +([\w-]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +([\d.]+) +(\d+) +([\d.e+-]+) +([\d.]+) +\d+$",
@@ -325,7 +325,7 @@ def test_learn_runs_every_arm_and_pairs_two_grpo_seeds_with_each(tiny_model_dir,
     assert [(c["seed"], c["update"]) for c in (configs["grpo"], configs["grpo_seed1"], configs["rft"])] == [(0, "grpo"), (1, "grpo"), (0, "rft")]
     assert all(c["adapter"] == start and c["sft_steps"] == 0 for arm, c in configs.items() if arm not in ("sft", "control"))
     assert configs["control"]["adapter"] == start and configs["control"]["steps"] == 0
-    assert all(c["eval_processes"] == 2 and c["decode_dtype"] == "bf16" for c in configs.values())   # forked, bf16
+    assert all(c["eval_processes"] == 2 and c["eval_dtype"] == "bf16" for c in configs.values())   # forked, bf16
 
     def seconds(arm, key):
         return [r["time_step"] for r in read_jsonl(os.path.join(folder, arm, "metrics.jsonl")) if key in r]

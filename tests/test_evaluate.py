@@ -71,7 +71,7 @@ def test_evaluation_in_forked_processes_equals_one_process(weight_dtype, splits,
     and the forks really ran. Both at one thread; the shares' batches are narrower, so greedy
     choices could only differ on a near-tie of logits, which these 5 tasks do not have. The forks
     find the LoRA merged: they share the parent's merged weights instead of building their own,
-    in bf16 too (--decode-dtype bf16)."""
+    in bf16 too (--eval-dtype bf16)."""
     from conftest import build_tiny_model
     import agentrl
     model, tasks = build_tiny_model("llama"), splits["test"][:5]
