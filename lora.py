@@ -122,7 +122,7 @@ def sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=
     after another (query head h reads KV head h // groups, as repeat_kv pairs them), and the mask
     (B, 1, W, S) repeated `groups` times along the queries: the same products, no copy of the cache.
     Without a mask (causal, no padding), one query token or no GQA, transformers' own path runs."""
-    if key.dtype != query.dtype:    # a cache kept in bf16 (engine.Sampling.weight_dtype): attend in its dtype
+    if key.dtype != query.dtype:    # a cache kept in bf16 (engine.Sampling.cache_dtype): attend in its dtype
         out, weights = sdpa_packed(module, query.to(key.dtype), key, value, attention_mask, dropout, scaling,
                                    **kwargs)
         return out.to(query.dtype), weights
