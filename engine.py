@@ -48,7 +48,7 @@ class Sampling:
     temperature: float = 1.0
     greedy: bool = False       # argmax decoding, for evaluation
     seed: int = 0              # seeds the torch.Generator: same seed, same trajectories
-    weight_dtype: torch.dtype | None = None   # fp32 weights (merged, lm_head) cast to it, log-probs included
+    weight_dtype: torch.dtype | None = None   # merged layers' and lm_head's weights; log-probs: that policy's
     cache_dtype: torch.dtype | None = None    # the KV cache's, attended in it (None: the keys' own)
 
 

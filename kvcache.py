@@ -184,11 +184,11 @@ def right_aligned(chunks, pad_id, device):
 class CachedForward:
     """One forward of the decoder body over new tokens and the cache, then the lm_head on each row's
     last column only: full-vocabulary logits are never made for a whole prompt or tool result.
-    dtype: an fp32 head's precision (a copy; None, or a head in half precision already: as it is)."""
+    dtype: the head in that precision (a copy; None: the model's own)."""
 
     def __init__(self, model, dtype=None):
         self.body, self.head = model.base_model, model.get_output_embeddings()
-        if dtype is not None and self.head.weight.dtype == torch.float32 != dtype:
+        if dtype is not None and self.head.weight.dtype != dtype:
             self.head = copy.deepcopy(self.head).to(dtype)
         self.cache_arg = lora.cache_keyword(self.body)
 
