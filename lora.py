@@ -121,21 +121,25 @@ def sdpa_packed(module, query, key, value, attention_mask, dropout=0.0, scaling=
     (B, kv_heads * groups, W, D) -> (B, kv_heads, groups * W, D), each KV head's query heads one
     after another (query head h reads KV head h // groups, as repeat_kv pairs them), and the mask
     (B, 1, W, S) repeated `groups` times along the queries: the same products, no copy of the cache.
-    Without a mask (causal, no padding), one query token or no GQA, transformers' own path runs."""
+    One query token is packed too, with or without a mask (SDPA's own grouped-query path is several
+    times slower on a bf16 cache on a CPU). Several tokens without a mask (causal, no padding) or
+    no GQA: transformers' own path."""
     if key.dtype != query.dtype:    # a cache kept in bf16 (engine.Sampling.cache_dtype): attend in its dtype
         out, weights = sdpa_packed(module, query.to(key.dtype), key, value, attention_mask, dropout, scaling,
                                    **kwargs)
         return out.to(query.dtype), weights
     B, heads, W, D = query.shape
     groups = getattr(module, "num_key_value_groups", 1)
-    if (groups == 1 or W == 1 or attention_mask is None or attention_mask.shape[1] != 1
-            or kwargs.get("position_bias") is not None):
+    masked = attention_mask is not None and attention_mask.shape[1] == 1     # (B, 1, W, S): one for all heads
+    one_token = W == 1 and attention_mask is None
+    if groups == 1 or not (masked or one_token) or kwargs.get("position_bias") is not None:
         return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
                                       scaling=scaling, **kwargs)
     S = key.shape[2]
     packed_query = query.reshape(B, heads // groups, groups * W, D)   # (B, kv_heads, groups*W, D)
+    # no mask and one query token: it sees every column (transformers drops an all-ones mask)
     mask = (attention_mask.expand(B, 1, W, S)[:, :, None].expand(B, 1, groups, W, S)
-            .reshape(B, 1, groups * W, S))
+            .reshape(B, 1, groups * W, S)) if masked else None
     # (B, kv_heads, groups*W, D)
     out = nn.functional.scaled_dot_product_attention(packed_query, key, value, attn_mask=mask,
                                                      dropout_p=dropout, scale=scaling)

@@ -356,7 +356,8 @@ def test_lora_weights_entered_twice_keeps_the_reference_in(tiny_llama):
 def test_packed_attention_equals_transformers_sdpa_with_holes_and_a_cache(kind, tiny_model_factory):
     """lora.sdpa_packed (grouped-query heads packed for several query tokens) against transformers'
     own SDPA (keys and values repeated per query head): the same logits and the same LoRA gradients
-    on a padded batch, and the same logits for a 3-token forward after a cached prefix with holes."""
+    on a padded batch, the same logits for a 3-token forward after a cached prefix with holes, and
+    for one token after a cache with no hole (transformers then passes no mask)."""
     from kvcache import KVCache
     packed, plain = tiny_model_factory(kind), tiny_model_factory(kind)
     plain.set_attn_implementation("sdpa")
@@ -392,3 +393,14 @@ def test_packed_attention_equals_transformers_sdpa_with_holes_and_a_cache(kind, 
             outputs.append(model(input_ids=new_ids, attention_mask=full_mask, **{lora.cache_keyword(model): cache},
                                  position_ids=(full_mask.cumsum(-1) - 1)[:, -3:]).logits)
     assert torch.allclose(outputs[0][new_mask.bool()], outputs[1][new_mask.bool()], atol=1e-5)
+
+    prefix_ids = torch.randint(3, 100, (2, 6))
+    outputs = []
+    with torch.no_grad():
+        for model in (packed, plain):
+            cache = KVCache(model.config)
+            model(input_ids=prefix_ids, **{lora.cache_keyword(model): cache})
+            outputs.append(model(input_ids=prefix_ids[:, :1], position_ids=torch.full((2, 1), 6),
+                                 attention_mask=torch.ones(2, 7, dtype=torch.long),
+                                 **{lora.cache_keyword(model): cache}).logits)
+    assert torch.allclose(outputs[0], outputs[1], atol=1e-5)
