@@ -99,8 +99,12 @@ def evaluate(model, tokenizer, tasks, limits, max_rows=16, path=None, processes=
         was_training = model.training
         # merged once, here, as generation runs (lora_merged): the children read these weights
         model.eval()
+        merged = lora.lora_merged(model, greedy.weight_dtype)
         try:
-            with lora.lora_merged(model, greedy.weight_dtype):
+            with merged:
+                # no process reads the weights the merged copies replace until the next training step:
+                # their pages (the model's file, mapped) leave this one, and so every child's count
+                parallel.release_file_pages([layer.base_layer.weight for layer in merged.layers])
                 trajectories = [t for share in parallel.forked(episodes, mine, processes) for t in share]
         finally:                # a child that died leaves the model as it found it
             model.train(was_training)

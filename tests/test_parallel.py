@@ -284,3 +284,31 @@ def test_release_freed_memory_hands_a_fragmented_heap_back():
     parallel.release_freed_memory()
     assert freed - resident_mib() > 150, (freed, resident_mib())
     assert all(len(b) == 100_000 for b in kept)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc/self/pagemap, madvise")
+def test_release_file_pages_drops_a_mapped_weight_and_reads_it_back(tmp_path):
+    """A tensor loaded from safetensors maps its file: parallel.release_file_pages takes its pages
+    out of this process (/proc/self/pagemap's present bit) and the next read has the same values;
+    an anonymous tensor, and a mapped one written in place, keep theirs."""
+    from safetensors.torch import load_file, save_file
+
+    def present_pages(tensor):
+        page = os.sysconf("SC_PAGE_SIZE")
+        first, last = -(-tensor.data_ptr() // page), (tensor.data_ptr() + tensor.nbytes) // page
+        with open("/proc/self/pagemap", "rb") as f:        # 8 bytes a page, bit 63: present
+            f.seek(first * 8)
+            entries = f.read((last - first) * 8)
+        return sum(entries[i + 7] >> 7 for i in range(0, len(entries), 8))
+    save_file({"weight": torch.randn(512, 1024), "written": torch.randn(256, 1024)}, tmp_path / "w.safetensors")
+    loaded, anonymous = load_file(tmp_path / "w.safetensors"), torch.randn(256, 1024)
+    weight, written = loaded["weight"], loaded["written"]
+    expected = weight.clone()
+    written += 1.0
+    kept = written.clone()
+    assert present_pages(weight) > 120                    # 2 MiB, read by clone(): resident
+    released = parallel.release_file_pages([weight, written, anonymous])
+    assert released >= weight.nbytes - 2 * os.sysconf("SC_PAGE_SIZE")
+    assert present_pages(weight) == 0 and present_pages(anonymous) > 60
+    assert torch.equal(weight, expected) and torch.equal(written, kept)
+    assert present_pages(weight) > 120
