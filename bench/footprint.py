@@ -10,7 +10,8 @@ know, samples the summed proportional set size (PSS, /proc/PID/smaps_rollup: a s
 counted once, split between its holders) of the run's whole process tree every 2 seconds, and
 reads the phase times from the run's metrics.jsonl: the SFT steps, the GRPO steps (rollout and
 the rest), and each evaluation after the first (the time from the record before it to its own;
-the first also holds the model's loading). Linux only.
+the first also holds the model's loading); an --eval-only run has no phases, its time and peak
+alone. Linux only.
 """
 import json
 import os
@@ -42,7 +43,7 @@ def footprint(cwd, train_flags) -> dict:
         time.sleep(2.0)
     if child.returncode:
         raise SystemExit(f"footprint: train.py failed in {cwd} (exit {child.returncode})")
-    records = run_records(out)
+    records = run_records(out) if os.path.exists(metrics) else []     # --eval-only writes eval_only.json
     # an evaluation's time: from the moment the record before it appeared to the moment its own did
     appeared = {}
     for seconds, _, lines in samples:

@@ -492,3 +492,27 @@ def test_the_bench_modules_import_each_other_without_a_cycle():
         ready = {name for name, imports in graph.items() if name not in done and imports <= done}
         assert ready, f"an import cycle among {sorted(set(graph) - done)}"
         done |= ready
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="/proc")
+def test_footprint_reads_a_training_run_and_an_eval_only_one(tmp_path):
+    """bench footprint runs `python train.py` in a checkout and reads its phases from metrics.jsonl;
+    an --eval-only run writes eval_only.json instead, and is read as a run with no phase (a stand-in
+    train.py here writes what each would)."""
+    from bench.footprint import footprint
+    (tmp_path / "train.py").write_text(
+        "import json, os, sys, time\n"
+        "out = sys.argv[sys.argv.index('--out') + 1]\n"
+        "os.makedirs(out)\n"
+        "name = 'eval_only.json' if '--eval-only' in sys.argv else 'metrics.jsonl'\n"
+        "records = [{'sft_step': 1, 'time_step': 2.0}, {'eval_accuracy': 0.5},\n"
+        "           {'reward_mean': 0.1, 'time_step': 3.0, 'time_rollout': 1.0}]\n"
+        "with open(os.path.join(out, name), 'w') as f:\n"
+        "    f.write(json.dumps(records[1]) if name == 'eval_only.json'\n"
+        "            else ''.join(json.dumps(r) + '\\n' for r in records))\n"
+        "time.sleep(0.5)\n")
+    run = footprint(str(tmp_path), [])
+    assert (run["sft_step_s"], run["grpo_step_s"], run["rollout_s"]) == (2.0, 3.0, 1.0) and run["peak_pss_gib"] > 0
+    only = footprint(str(tmp_path), ["--eval-only"])
+    assert only["evaluations"] == 0 and only["peak_pss_gib"] > 0 and only["run_s"] >= 0.5
+    assert all(only[key] != only[key] for key in ("sft_step_s", "grpo_step_s", "rollout_s"))     # nan
