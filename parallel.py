@@ -286,7 +286,7 @@ MADV_PAGEOUT = 21       # madvise: reclaim these pages now (Linux >= 5.4)
 def release_file_pages(tensors) -> int:
     """Hand back the pages of CPU `tensors` that map a file (weights loaded from safetensors are
     mapped, not copied): they leave this process's resident set, and the next read brings them back
-    from the file (madvise MADV_PAGEOUT: a page written in place is swapped out, never lost).
+    from the file (madvise MADV_PAGEOUT: a page written in place is kept, or swapped, never lost).
     Anonymous memory is left alone: paging it out would mean swap. Returns the bytes released; 0
     off Linux."""
     try:
